@@ -1,0 +1,49 @@
+"""The one Hydra schema shared by every entry script (pretrain, generate, distill, serve, bench).
+
+Every primary config's defaults list is `resispec_schema`, then the groups, then `_self_`, so a misspelled
+key fails when the config is composed. Recipes (conf/recipe/*.yaml, `# @package _global_`) can therefore
+override any group in every script. Scripts convert with `OmegaConf.to_object` and pass the typed
+sub-configs to the library; the library never sees the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from resispec.data.config import DataConfig
+from resispec.decoding.config import DecodeConfig
+from resispec.models.config import ModelConfig, WorldConfig
+from resispec.serving.config import BenchConfig, ServerConfig
+from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig
+
+
+@dataclass
+class ResiSpecConfig:
+    name: str = "tiny"  # run name: recipe name; used in output folders and W&B
+    world: WorldConfig = field(default_factory=WorldConfig)
+    target: ModelConfig = field(default_factory=ModelConfig)
+    draft: ModelConfig = field(default_factory=lambda: ModelConfig(path="world:draft"))
+    data: DataConfig = field(default_factory=DataConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (called by every entry script before @hydra.main)."""
+    ConfigStore.instance().store(name="resispec_schema", node=ResiSpecConfig)
+
+
+def to_typed(cfg) -> ResiSpecConfig:
+    """DictConfig -> ResiSpecConfig (typed dataclasses all the way down)."""
+    from omegaconf import OmegaConf
+
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, ResiSpecConfig), type(obj)
+    return obj

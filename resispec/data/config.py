@@ -1,0 +1,36 @@
+"""Typed config for prompts, target regeneration and packing (Hydra group `data`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RegenConfig:
+    """Sampling settings for target regeneration (on-policy responses)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    batch_size: int = 16
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from. `source`: `stdlib` (the embedded world's text), a local `.jsonl` path with
+    `prompt` or chat `messages` fields, or a Hugging Face dataset name."""
+
+    source: str = "stdlib"
+    split: str = "train"
+    eval_split: str = "validation"
+    prompt_field: str = "prompt"
+    messages_field: str = "messages"
+    num_train_prompts: int = 512
+    num_eval_prompts: int = 64
+    prompt_tokens: int = 64  # stdlib prompts: tokens of code used as the prompt
+    seq_len: int = 256  # packing length for training
+    responses: str = "regenerate"  # regenerate (on-policy, cached) | fixed (the dataset's own text)
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    cache_dir: str | None = None  # default: under the world cache

@@ -1,0 +1,71 @@
+"""Typed config for model loading and the embedded tiny world (Hydra groups `target`, `draft`, `world`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class ModelConfig:
+    """A causal LM to load. `path` is a hub name, a local folder, or `world:target` / `world:draft`
+    (the embedded tiny world's checkpoints, built on first use)."""
+
+    path: str = "world:target"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
+    revision: str | None = None
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None  # None = transformers' default (sdpa)
+    adapter: str = "none"  # none | lora (drafts only: train a LoRA adapter instead of all weights)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class SizeConfig:
+    """A Llama-architecture size preset for the tiny world."""
+
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 1024
+
+
+@dataclass
+class PretrainConfig:
+    """How long and how to train one model of the tiny world."""
+
+    max_steps: int = 600
+    max_minutes: float = 6.0
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+
+
+@dataclass
+class WorldConfig:
+    """The embedded default world: stdlib text, a local BPE tokenizer, a small target and a smaller draft."""
+
+    name: str = "tiny"
+    cache_dir: str | None = None  # default: $RESISPEC_CACHE or ~/.cache/resispec
+    vocab_size: int = 8192
+    max_position_embeddings: int = 1024
+    max_files: int | None = None  # limit the stdlib files read (micro world)
+    seed: int = 0
+    target: SizeConfig = field(default_factory=SizeConfig)
+    draft: SizeConfig = field(default_factory=lambda: SizeConfig(hidden_size=96, num_layers=1, num_heads=2,
+                                                                 num_kv_heads=2, intermediate_size=384))
+    target_train: PretrainConfig = field(default_factory=PretrainConfig)
+    draft_train: PretrainConfig = field(default_factory=lambda: PretrainConfig(max_steps=150, max_minutes=1.0))

@@ -1,0 +1,60 @@
+"""Typed config for distillation (Hydra groups `loss`, `optim`, `train`, `logger`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LossConfig:
+    """`name`: fkl | rkl | jsd | tvd | residual. The residual loss is 1 - alpha_rule(p, q, n) with rule and n
+    from the decode config (`rule: null` = decode.rule); `form` picks the plain, -log or fkl-hybrid variant."""
+
+    name: str = "residual"
+    rule: str | None = None
+    form: str = "hybrid"  # plain (1 - alpha) | log (-log alpha) | hybrid (1 - alpha + fkl_weight * fkl)
+    fkl_weight: float = 0.1
+    jsd_beta: float = 0.5
+    depth_decay: float = 1.0  # weight of position t in a response = depth_decay ** (t mod len(tree)); 1 = off
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | constant
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    batch_size: int = 8
+    grad_accum: int = 1
+    target_signal: str = "online"  # online | cached (top-K target log-probs + tail mass)
+    cached_top_k: int = 64
+    eval_every: int = 100
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    resume: bool = False
+    seed: int = 0
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    output_dir: str | None = None  # default: the Hydra run folder
+    eval_positions: int = 2048  # held-out positions for alpha / tau
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "resispec"
+    entity: str | None = None
+    dir: str | None = None  # default: the run's output folder
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    log_every: int = 10

@@ -1,0 +1,12 @@
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests are skipped without CUDA (they never replace the CPU test of the same logic)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
