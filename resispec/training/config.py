@@ -12,7 +12,10 @@ class LossConfig:
 
     name: str = "residual"
     rule: str | None = None
-    form: str = "hybrid"  # plain (1 - alpha) | log (-log alpha) | hybrid (1 - alpha + fkl_weight * fkl)
+    form: str = (
+        "hybrid"  # plain (1 - alpha) | log (-log alpha) | hybrid (1 - alpha + fkl_weight * fkl) | log_hybrid
+    )
+    num_draws: int | None = None  # n for alpha_rule(p, q, n); null = decode.tree[0] (the root's branching)
     fkl_weight: float = 0.1
     jsd_beta: float = 0.5
     depth_decay: float = 1.0  # weight of position t in a response = depth_decay ** (t mod len(tree)); 1 = off

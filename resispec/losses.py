@@ -1,0 +1,268 @@
+"""Distillation losses: the standard divergences and the residual (acceptance) losses built on resispec.verify.
+
+Every loss compares p (target) and q (draft) at the positions of the response tokens (`loss_mask`), after the
+SAME processing the decoder applies (see `process_logits`):
+
+- temperature: both sides are divided by `decode.temperature`; temperature 0 (greedy serving) trains at 1,
+  because a greedy target has no distribution to match and a temperature-1 match is what makes the argmaxes agree;
+- top-k / top-p: applied (each side to itself, as the decoder does) ONLY for the residual loss, whose value is
+  the served acceptance. The divergences skip them: independent truncation of p and q makes fkl/rkl infinite
+  wherever one side was cut and the other was not.
+
+The target can be dense (full logits, the `online` signal) or sparse (the `cached` signal: top-K log-probs plus
+one "tail" bucket holding the rest of the mass). In the sparse case q is mapped onto the same K+1 buckets, so p
+and q are distributions on one support and every loss is computed there. Merging the tail tokens into one bucket
+makes the tail look like a perfect match, so the sparse losses are a (tight for small tails) approximation.
+
+The residual loss is 1 - alpha_rule(p, q, n) from `VERIFIERS[rule].acceptance`: no second copy of any formula.
+The rule's internal constants (T*, rho*) are solved under no_grad there, so only q carries the gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from resispec.decoding.config import DecodeConfig
+from resispec.training.config import LossConfig
+
+Tensor = torch.Tensor
+_TINY = 1e-12
+
+# rules whose acceptance has no closed form, and the closed-form rule the residual loss uses for them
+CLOSED_FORM_BRANCH = {"resispec_auto": "resispec"}
+
+
+@dataclass
+class TargetSignal:
+    """The target side at the loss positions. Dense (online): `values` are the raw logits [..., V], `ids` None;
+    the loss applies the decode processing. Sparse (cached): `values` are the log-probs of the K most likely
+    tokens [..., K], already temperature-scaled and sorted by decreasing probability, with their `ids` [..., K];
+    the tail mass is 1 - sum(exp(values))."""
+
+    values: Tensor  # [..., V] logits or [..., K] log-probs
+    ids: Tensor | None = None  # [..., K]
+
+    @property
+    def sparse(self) -> bool:
+        return self.ids is not None
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature losses and evaluation use: the decode temperature, or 1 for greedy (0)."""
+    return temperature if temperature > 0 else 1.0
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Top-k then top-p filtering (the decoder's order); filtered logits become -inf. logits: [N, V]."""
+    if top_k and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [N, V]
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (the first token always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Raw logits [N, V] -> float32 log-probs after temperature (0 -> 1) and optional top-k / top-p."""
+    logits = logits.float() / effective_temperature(temperature)
+    return filter_logits(logits, top_k, top_p).log_softmax(-1)
+
+
+def filter_sparse(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Top-k / top-p on a sparse target: log-probs [N, K+1], the last column the tail bucket; the K columns
+    are sorted by decreasing probability, so the cut is exact unless the nucleus reaches into the tail, which is
+    then kept as one bucket. Returns renormalised log-probs [N, K+1]."""
+    keep_len = logprobs.shape[-1] - 1
+    drop = torch.zeros_like(logprobs, dtype=torch.bool)
+    if top_k and top_k < keep_len + 1:
+        drop[..., top_k:] = True  # top_k <= K drops the tail as well
+    if top_p < 1.0:
+        probs = logprobs.exp()
+        drop |= (probs.cumsum(-1) - probs) >= top_p
+    return logprobs.masked_fill(drop, float("-inf")).log_softmax(-1)
+
+
+def sparse_with_tail(logprobs: Tensor) -> Tensor:
+    """Top-K log-probs [N, K] -> [N, K+1] with the tail bucket's log mass appended."""
+    tail = (1.0 - logprobs.exp().sum(-1, keepdim=True)).clamp_min(_TINY)  # [N, 1]
+    return torch.cat([logprobs, tail.log()], dim=-1)
+
+
+def bucket_draft(draft_logprobs: Tensor, ids: Tensor) -> Tensor:
+    """Map the draft onto the target's K+1 buckets: q at the top-K ids, and the rest as the tail.
+    draft_logprobs: [N, V], ids: [N, K] -> [N, K+1] log-probs (differentiable)."""
+    top = draft_logprobs.gather(-1, ids)  # [N, K]
+    tail = (1.0 - top.exp().sum(-1, keepdim=True)).clamp_min(_TINY)  # [N, 1]
+    return torch.cat([top, tail.log()], dim=-1)
+
+
+def paired_logprobs(
+    target: TargetSignal, draft_logits: Tensor, decode: DecodeConfig, truncate: bool
+) -> tuple[Tensor, Tensor]:
+    """(log p, log q) on one support, [N, S] each (S = V dense, K+1 sparse). `truncate` applies the decode
+    top-k / top-p to both sides (residual loss, evaluation); the temperature is always applied."""
+    top_k, top_p = (decode.top_k, decode.top_p) if truncate else (0, 1.0)
+    log_q = process_logits(draft_logits, decode.temperature, top_k, top_p)  # [N, V]
+    if not target.sparse:
+        return process_logits(target.values, decode.temperature, top_k, top_p), log_q  # [N, V] each
+    log_p = sparse_with_tail(target.values.float())  # [N, K+1]
+    if truncate and (top_k or top_p < 1.0):
+        log_p = filter_sparse(log_p, top_k, top_p)
+    return log_p, bucket_draft(log_q, target.ids)
+
+
+# ----------------------------------------------------------------------------- per-position losses
+def _kl(log_a: Tensor, log_b: Tensor) -> Tensor:
+    """KL(a || b) per row, with 0 log 0 = 0. [N, S] -> [N]."""
+    a = log_a.exp()
+    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
+
+
+def fkl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """Forward KL(p || q): mass-covering, the standard distillation loss. -> [N]"""
+    return _kl(log_p, log_q)
+
+
+def rkl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """Reverse KL(q || p): mode-seeking. -> [N]"""
+    return _kl(log_q, log_p)
+
+
+def jsd(log_p: Tensor, log_q: Tensor, beta: float = 0.5) -> Tensor:
+    """Generalised Jensen-Shannon: beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q. -> [N]"""
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"jsd_beta must be in (0, 1), got {beta}")
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1.0 - beta))  # [N, S]
+    return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
+
+
+def tvd(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """Total variation 1/2 sum |p - q| = 1 - sum min(p, q) (= 1 - alpha of the one-draft chain rule). -> [N]"""
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+
+
+def residual_rule(loss: LossConfig, decode: DecodeConfig) -> str:
+    """The rule whose acceptance the residual loss maximises (loss.rule, else decode.rule); rules without a
+    closed form use their closed-form branch (resispec_auto -> resispec: its i.i.d. branch is the one shaped)."""
+    rule = loss.rule or decode.rule
+    return CLOSED_FORM_BRANCH.get(rule, rule)
+
+
+def residual_num_draws(loss: LossConfig, decode: DecodeConfig) -> int:
+    """n for the residual loss: loss.num_draws, else the root's branching decode.tree[0] (the node with the most
+    candidates, where the rules differ most; deeper nodes of the default trees are chains, where they coincide)."""
+    return loss.num_draws or int(decode.tree[0])
+
+
+def acceptance(rule: str, p: Tensor, q: Tensor, n: int) -> Tensor:
+    """alpha_rule(p, q, n) [N] from resispec.verify (the one implementation); p, q: [N, S] probabilities."""
+    from resispec.verify import VERIFIERS
+
+    if rule not in VERIFIERS:
+        raise ValueError(f"unknown rule {rule!r}; choose one of {sorted(VERIFIERS)}")
+    return VERIFIERS[rule].acceptance(p, q, n)
+
+
+def residual(log_p: Tensor, log_q: Tensor, *, rule: str, n: int, form: str, fkl_weight: float) -> Tensor:
+    """The residual loss per position [N]: plain 1 - alpha, `log` -log alpha (its gradient grows as alpha -> 0,
+    where 1 - alpha's vanishes), or `hybrid` 1 - alpha + fkl_weight * fkl (fkl keeps pulling q toward p's
+    support where the acceptance gradient is flat)."""
+    alpha = acceptance(rule, log_p.exp(), log_q.exp(), n)  # [N]
+    if form == "plain":
+        return 1.0 - alpha
+    if form == "log":
+        return -alpha.clamp_min(1e-6).log()
+    if form == "hybrid":
+        return 1.0 - alpha + fkl_weight * fkl(log_p, log_q)
+    if form == "log_hybrid":
+        return -alpha.clamp_min(1e-6).log() + fkl_weight * fkl(log_p, log_q)
+    raise ValueError(f"unknown residual loss form {form!r}; choose plain | log | hybrid | log_hybrid")
+
+
+PositionLoss = Callable[[Tensor, Tensor, LossConfig, DecodeConfig], Tensor]
+
+# name -> (per-position loss on (log p, log q), whether it sees the decode top-k / top-p)
+LOSSES: dict[str, tuple[PositionLoss, bool]] = {
+    "fkl": (lambda lp, lq, c, d: fkl(lp, lq), False),
+    "rkl": (lambda lp, lq, c, d: rkl(lp, lq), False),
+    "jsd": (lambda lp, lq, c, d: jsd(lp, lq, c.jsd_beta), False),
+    "tvd": (lambda lp, lq, c, d: tvd(lp, lq), False),
+    "residual": (
+        lambda lp, lq, c, d: residual(
+            lp, lq, rule=residual_rule(c, d), n=residual_num_draws(c, d), form=c.form, fkl_weight=c.fkl_weight
+        ),
+        True,
+    ),
+}
+
+
+def check_loss_config(loss: LossConfig, decode: DecodeConfig) -> None:
+    """Fail early, with one clear line, on a loss the run cannot compute."""
+    if loss.name not in LOSSES:
+        raise ValueError(f"unknown loss {loss.name!r}; choose one of {sorted(LOSSES)}")
+    if loss.name == "residual":
+        rule = residual_rule(loss, decode)
+        p = torch.tensor([[0.5, 0.5]])
+        try:
+            acceptance(rule, p, p, residual_num_draws(loss, decode))
+        except NotImplementedError as e:
+            raise ValueError(
+                f"rule {rule!r} has no closed-form acceptance, so the residual loss cannot target it; "
+                "set loss.rule to a rule with one (e.g. resispec, rrs, kseq, hub, onehot)"
+            ) from e
+
+
+# ----------------------------------------------------------------------------- masking and weights
+def run_positions(loss_mask: Tensor) -> Tensor:
+    """Index of each masked position within its contiguous run of masked positions (0 at a response's first
+    predicted token). loss_mask: [B, T] -> [B, T] long."""
+    m = loss_mask.long()
+    idx = torch.arange(m.shape[1], device=m.device).expand_as(m)  # [B, T]
+    # the last unmasked index at or before t (-1 if none): the start of the current run minus one
+    last_zero = torch.where(m == 0, idx, torch.full_like(idx, -1)).cummax(dim=1).values
+    return (idx - last_zero - 1).clamp_min(0)
+
+
+def position_weights(loss_mask: Tensor, depth_decay: float, depth: int) -> Tensor:
+    """Weights [B, T]: depth_decay ** (t mod depth) for the t-th response position, so positions that map to
+    deeper tree levels count less (a deep node is only reached after all its ancestors were accepted)."""
+    if depth_decay == 1.0 or depth <= 1:
+        return loss_mask.float()
+    t = run_positions(loss_mask) % depth
+    return loss_mask.float() * depth_decay ** t.float()
+
+
+def distill_loss(
+    draft_logits: Tensor,  # [B, T, V] logits at the positions that predict the response tokens
+    target: TargetSignal,  # dense [B, T, V] or sparse [B, T, K] (+ ids), same positions
+    loss_mask: Tensor,  # [B, T] 1 where the position's next token is a response token
+    loss: LossConfig,
+    decode: DecodeConfig,
+) -> tuple[Tensor, dict[str, float]]:
+    """Masked, weighted mean of the configured loss over the response positions. Returns (loss, stats)
+    where stats carries the mean unweighted fkl for reference."""
+    fn, truncate = LOSSES[loss.name]
+    weights = position_weights(loss_mask, loss.depth_decay, len(decode.tree))  # [B, T]
+    sel = loss_mask.bool()  # only the response positions are computed: they are all the loss needs
+    q_logits = draft_logits[sel]  # [N, V]
+    tgt = TargetSignal(target.values[sel], None if target.ids is None else target.ids[sel])
+    w = weights[sel]  # [N]
+    if q_logits.shape[0] == 0:  # a batch with no response token: a zero that keeps the graph
+        return draft_logits.sum() * 0.0, {"fkl": 0.0, "num_positions": 0}
+    log_p, log_q = paired_logprobs(tgt, q_logits, decode, truncate)
+    per_pos = fn(log_p, log_q, loss, decode)  # [N]
+    value = (per_pos * w).sum() / w.sum().clamp_min(_TINY)
+    with torch.no_grad():
+        if truncate:
+            log_p, log_q = paired_logprobs(tgt, q_logits, decode, False)
+        ref = fkl(log_p, log_q).mean().item()
+    return value, {"fkl": ref, "num_positions": int(q_logits.shape[0])}

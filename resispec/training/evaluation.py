@@ -1,0 +1,149 @@
+"""Held-out evaluation that decides checkpoints: per-node acceptance alpha and the simulated accepted length tau.
+
+Along target-generated held-out sequences (prompt + regenerated response), at every response position we take
+p (target) and q (draft) after the decode processing and compute, for every rule of resispec.verify with a
+closed-form acceptance, alpha_rule(p, q, n) for each branching n of the configured tree.
+
+Simulated tau. A tree with branching [n_0, ..., n_{D-1}] starting at response position s emits the accepted path
+plus one bonus/correction token. If the tree's path follows the sequence, its depth-d node sits at position
+s + d and is accepted with probability a_d(s) = alpha(p_{s+d}, q_{s+d}, n_d). Depth d+1 is reached only if
+depths 0..d were all accepted, so the expected tokens per target forward is
+
+    tau(s) = 1 + sum_{k=1}^{D} prod_{d<k} a_d(s),
+
+and we report the mean over every start s whose whole window lies inside a response. Two simplifications,
+both shared by all rules and checkpoints (so they rank them fairly): the accepted token at depth d is taken to be
+the sequence's own token (a sample of p, whereas the accepted one is p conditioned on being a child), and each
+node's children are i.i.d. of the position's q, ignoring siblings. Per-depth acceptance is the mean of a_d(s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from resispec.decoding.config import DecodeConfig
+from resispec.losses import CLOSED_FORM_BRANCH, acceptance, fkl, process_logits
+
+Tensor = torch.Tensor
+
+
+def closed_form_rules() -> list[str]:
+    """Rules of resispec.verify whose acceptance has a closed form (the others raise NotImplementedError)."""
+    from resispec.verify import VERIFIERS
+
+    p = torch.tensor([[0.6, 0.3, 0.1]])
+    q = torch.tensor([[0.2, 0.3, 0.5]])
+    rules = []
+    for name in VERIFIERS:
+        try:
+            VERIFIERS[name].acceptance(p, q, 2)
+        except NotImplementedError:
+            continue
+        rules.append(name)
+    return rules
+
+
+def eval_rule(rule: str) -> str:
+    """The rule whose simulated tau picks checkpoints (its closed-form branch if it has none)."""
+    return CLOSED_FORM_BRANCH.get(rule, rule)
+
+
+def simulate_tau(alpha_by_depth: list[Tensor], lengths: list[int]) -> tuple[float, list[float]]:
+    """Mean simulated tau and per-depth acceptance over all full windows (see module docstring).
+    alpha_by_depth[d]: [N] acceptance at depth d's branching for every position, sequences concatenated;
+    lengths: number of positions of each sequence (they sum to N)."""
+    depth = len(alpha_by_depth)
+    taus: list[Tensor] = []
+    per_depth: list[list[Tensor]] = [[] for _ in range(depth)]
+    start = 0
+    for length in lengths:
+        num_windows = length - depth + 1
+        if num_windows > 0:
+            reach = torch.ones(num_windows, dtype=torch.float64)  # P(depth d reached), [S]
+            tau = torch.ones(num_windows, dtype=torch.float64)
+            for d in range(depth):
+                a = alpha_by_depth[d][start + d : start + d + num_windows].double()  # [S]
+                per_depth[d].append(a)
+                reach = reach * a
+                tau = tau + reach
+            taus.append(tau)
+        start += length
+    if not taus:
+        return float("nan"), [float("nan")] * depth
+    return torch.cat(taus).mean().item(), [torch.cat(a).mean().item() for a in per_depth]
+
+
+def select_positions(
+    rows: Iterable[tuple[list[int], list[int]]], max_positions: int
+) -> list[tuple[Tensor, int]]:
+    """(prompt_ids, response_ids) rows -> [(ids [L], num_prompt)] until max_positions response positions."""
+    out, total = [], 0
+    for prompt, response in rows:
+        if len(response) == 0 or total >= max_positions:
+            continue
+        response = list(response)[: max_positions - total]
+        ids = torch.tensor(list(prompt) + response, dtype=torch.long)
+        out.append((ids, len(prompt)))
+        total += len(response)
+    return out
+
+
+@torch.no_grad()
+def _pair_logprobs(
+    target, draft, ids: Tensor, num_prompt: int, decode: DecodeConfig, device
+) -> tuple[Tensor, Tensor]:
+    """log p, log q [R, V] at the positions that predict the R response tokens of one sequence."""
+    x = ids.to(device)[None]  # [1, L]
+    sl = slice(num_prompt - 1, x.shape[1] - 1)  # logits at t predict token t + 1
+    p_logits = target(input_ids=x).logits[0, sl]  # [R, V]
+    q_logits = draft(input_ids=x).logits[0, sl]
+    top_k, top_p = decode.top_k, decode.top_p
+    return (
+        process_logits(p_logits, decode.temperature, top_k, top_p),
+        process_logits(q_logits, decode.temperature, top_k, top_p),
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    sequences: list[tuple[Tensor, int]],  # from select_positions
+    decode: DecodeConfig,
+    rules: list[str] | None = None,
+    chunk: int = 256,
+    show_progress: bool = False,
+) -> dict:
+    """Held-out alpha per rule and n, per-depth acceptance, simulated tau per rule, and mean fkl.
+    Returns {"num_positions", "fkl", "alpha": {rule: {n: a}}, "per_depth": {rule: [a_d]}, "tau": {rule: t}}."""
+    rules = closed_form_rules() if rules is None else rules
+    was_training = draft.training
+    draft.eval()
+    device = next(draft.parameters()).device
+    tree = [int(n) for n in decode.tree]
+    ns = sorted(set(tree))
+    alphas: dict[str, dict[int, list[Tensor]]] = {r: {n: [] for n in ns} for r in rules}
+    fkls, lengths = [], []
+    for ids, num_prompt in tqdm(sequences, desc="held-out alpha", disable=not show_progress, leave=False):
+        log_p, log_q = _pair_logprobs(target, draft, ids, num_prompt, decode, device)  # [R, V]
+        lengths.append(log_p.shape[0])
+        fkls.append(fkl(log_p, log_q).cpu())
+        for s in range(0, log_p.shape[0], chunk):  # bound the rules' [chunk, V] temporaries
+            p, q = log_p[s : s + chunk].exp(), log_q[s : s + chunk].exp()
+            for r in rules:
+                for n in ns:
+                    alphas[r][n].append(acceptance(r, p, q, n).float().cpu())
+    draft.train(was_training)
+    out: dict = {
+        "num_positions": int(sum(lengths)),
+        "fkl": torch.cat(fkls).mean().item() if fkls else float("nan"),
+    }
+    out["alpha"], out["per_depth"], out["tau"] = {}, {}, {}
+    for r in rules:
+        by_n = {n: torch.cat(alphas[r][n]) if alphas[r][n] else torch.zeros(0) for n in ns}
+        out["alpha"][r] = {str(n): by_n[n].mean().item() for n in ns}
+        out["tau"][r], out["per_depth"][r] = simulate_tau([by_n[n] for n in tree], lengths)
+    return out
