@@ -172,11 +172,22 @@ def acceptance(rule: str, p: Tensor, q: Tensor, n: int) -> Tensor:
     return VERIFIERS[rule].acceptance(p, q, n)
 
 
-def residual(log_p: Tensor, log_q: Tensor, *, rule: str, n: int, form: str, fkl_weight: float) -> Tensor:
+def residual(
+    log_p: Tensor,
+    log_q: Tensor,
+    *,
+    rule: str,
+    n: int,
+    form: str,
+    fkl_weight: float,
+    served: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """The residual loss per position [N]: plain 1 - alpha, `log` -log alpha (its gradient grows as alpha -> 0,
-    where 1 - alpha's vanishes), or `hybrid` 1 - alpha + fkl_weight * fkl (fkl keeps pulling q toward p's
-    support where the acceptance gradient is flat)."""
-    alpha = acceptance(rule, log_p.exp(), log_q.exp(), n)  # [N]
+    where 1 - alpha's vanishes), `hybrid` 1 - alpha + fkl_weight * fkl (fkl keeps pulling q toward p's support
+    where the acceptance gradient is flat), or `log_hybrid`. alpha is computed on `served` (the pair after the
+    decode top-k / top-p) when given, fkl always on the untruncated (log_p, log_q)."""
+    sp, sq = served if served is not None else (log_p, log_q)
+    alpha = acceptance(rule, sp.exp(), sq.exp(), n)  # [N]
     if form == "plain":
         return 1.0 - alpha
     if form == "log":
@@ -188,19 +199,23 @@ def residual(log_p: Tensor, log_q: Tensor, *, rule: str, n: int, form: str, fkl_
     raise ValueError(f"unknown residual loss form {form!r}; choose plain | log | hybrid | log_hybrid")
 
 
-PositionLoss = Callable[[Tensor, Tensor, LossConfig, DecodeConfig], Tensor]
+Pair = tuple[Tensor, Tensor]
+# name -> per-position loss [N] from (untruncated pair, served pair, loss config, decode config). The divergences
+# use the untruncated pair only; the residual loss takes alpha on the served one.
+PositionLoss = Callable[[Pair, Pair, LossConfig, DecodeConfig], Tensor]
 
-# name -> (per-position loss on (log p, log q), whether it sees the decode top-k / top-p)
-LOSSES: dict[str, tuple[PositionLoss, bool]] = {
-    "fkl": (lambda lp, lq, c, d: fkl(lp, lq), False),
-    "rkl": (lambda lp, lq, c, d: rkl(lp, lq), False),
-    "jsd": (lambda lp, lq, c, d: jsd(lp, lq, c.jsd_beta), False),
-    "tvd": (lambda lp, lq, c, d: tvd(lp, lq), False),
-    "residual": (
-        lambda lp, lq, c, d: residual(
-            lp, lq, rule=residual_rule(c, d), n=residual_num_draws(c, d), form=c.form, fkl_weight=c.fkl_weight
-        ),
-        True,
+LOSSES: dict[str, PositionLoss] = {
+    "fkl": lambda full, served, c, d: fkl(*full),
+    "rkl": lambda full, served, c, d: rkl(*full),
+    "jsd": lambda full, served, c, d: jsd(*full, c.jsd_beta),
+    "tvd": lambda full, served, c, d: tvd(*full),
+    "residual": lambda full, served, c, d: residual(
+        *full,
+        rule=residual_rule(c, d),
+        n=residual_num_draws(c, d),
+        form=c.form,
+        fkl_weight=c.fkl_weight,
+        served=served,
     ),
 }
 
@@ -250,7 +265,7 @@ def distill_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Masked, weighted mean of the configured loss over the response positions. Returns (loss, stats)
     where stats carries the mean unweighted fkl for reference."""
-    fn, truncate = LOSSES[loss.name]
+    fn = LOSSES[loss.name]
     weights = position_weights(loss_mask, loss.depth_decay, len(decode.tree))  # [B, T]
     sel = loss_mask.bool()  # only the response positions are computed: they are all the loss needs
     q_logits = draft_logits[sel]  # [N, V]
@@ -258,11 +273,10 @@ def distill_loss(
     w = weights[sel]  # [N]
     if q_logits.shape[0] == 0:  # a batch with no response token: a zero that keeps the graph
         return draft_logits.sum() * 0.0, {"fkl": 0.0, "num_positions": 0}
-    log_p, log_q = paired_logprobs(tgt, q_logits, decode, truncate)
-    per_pos = fn(log_p, log_q, loss, decode)  # [N]
+    full = paired_logprobs(tgt, q_logits, decode, truncate=False)
+    truncates = loss.name == "residual" and (decode.top_k > 0 or decode.top_p < 1.0)
+    served = paired_logprobs(tgt, q_logits, decode, truncate=True) if truncates else full
+    per_pos = fn(full, served, loss, decode)  # [N]
     value = (per_pos * w).sum() / w.sum().clamp_min(_TINY)
-    with torch.no_grad():
-        if truncate:
-            log_p, log_q = paired_logprobs(tgt, q_logits, decode, False)
-        ref = fkl(log_p, log_q).mean().item()
+    ref = fkl(*full).detach().mean().item()
     return value, {"fkl": ref, "num_positions": int(q_logits.shape[0])}

@@ -1,0 +1,197 @@
+"""Distillation losses: the divergences against their formulas, the residual loss against resispec.verify,
+the top-K + tail representation, masking, weights and the decode processing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resispec.decoding.config import DecodeConfig
+from resispec.losses import (
+    TargetSignal,
+    bucket_draft,
+    check_loss_config,
+    distill_loss,
+    filter_logits,
+    fkl,
+    jsd,
+    paired_logprobs,
+    position_weights,
+    process_logits,
+    residual,
+    residual_num_draws,
+    residual_rule,
+    rkl,
+    run_positions,
+    sparse_with_tail,
+    tvd,
+)
+from resispec.training.config import LossConfig
+
+
+def _logits(n=6, v=11, seed=0, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, v, generator=g) * scale
+
+
+def _logp(n=6, v=11, seed=0):
+    return _logits(n, v, seed).log_softmax(-1)
+
+
+def test_divergences_match_their_formulas():
+    lp, lq = _logp(seed=0), _logp(seed=1)
+    p, q = lp.exp(), lq.exp()
+    torch.testing.assert_close(fkl(lp, lq), (p * (p / q).log()).sum(-1))
+    torch.testing.assert_close(rkl(lp, lq), (q * (q / p).log()).sum(-1))
+    torch.testing.assert_close(tvd(lp, lq), 1 - torch.minimum(p, q).sum(-1))
+    m = 0.3 * p + 0.7 * q
+    want = 0.3 * (p * (p / m).log()).sum(-1) + 0.7 * (q * (q / m).log()).sum(-1)
+    torch.testing.assert_close(jsd(lp, lq, 0.3), want)
+    for f in (fkl, rkl, tvd, jsd):
+        assert (f(lp, lq) > 0).all()
+        torch.testing.assert_close(f(lp, lp), torch.zeros(lp.shape[0]), atol=1e-6, rtol=0)
+
+
+def test_jsd_beta_out_of_range_fails():
+    with pytest.raises(ValueError, match="jsd_beta"):
+        jsd(_logp(), _logp(seed=1), 1.0)
+
+
+def test_residual_calls_verify_acceptance():
+    """1 - alpha is exactly one minus resispec.verify's acceptance for every closed-form rule and n."""
+    from resispec.verify import VERIFIERS
+
+    lp, lq = _logp(seed=2), _logp(seed=3)
+    for rule in ("chain", "rrs", "kseq", "resispec"):
+        if rule not in VERIFIERS:
+            continue
+        for n in (1, 2, 4):
+            want = 1 - VERIFIERS[rule].acceptance(lp.exp(), lq.exp(), n)
+            got = residual(lp, lq, rule=rule, n=n, form="plain", fkl_weight=0.0)
+            torch.testing.assert_close(got, want)
+    # the one-draft chain rule accepts sum min(p, q): its residual loss is the total variation
+    torch.testing.assert_close(residual(lp, lq, rule="chain", n=1, form="plain", fkl_weight=0), tvd(lp, lq))
+
+
+def test_residual_forms():
+    lp, lq = _logp(seed=4), _logp(seed=5)
+    plain = residual(lp, lq, rule="resispec", n=4, form="plain", fkl_weight=0)
+    alpha = 1 - plain
+    torch.testing.assert_close(residual(lp, lq, rule="resispec", n=4, form="log", fkl_weight=0), -alpha.log())
+    torch.testing.assert_close(
+        residual(lp, lq, rule="resispec", n=4, form="hybrid", fkl_weight=0.3), plain + 0.3 * fkl(lp, lq)
+    )
+    with pytest.raises(ValueError, match="form"):
+        residual(lp, lq, rule="resispec", n=4, form="bogus", fkl_weight=0)
+
+
+def test_residual_gradient_reaches_the_draft_and_helps():
+    """The gradient flows through q only; a small step on the draft logits raises alpha."""
+    lp = _logp(seed=6)
+    q_logits = _logits(seed=7).requires_grad_(True)
+    loss = residual(lp, q_logits.log_softmax(-1), rule="resispec", n=4, form="plain", fkl_weight=0).mean()
+    loss.backward()
+    assert q_logits.grad is not None and q_logits.grad.abs().sum() > 0
+    with torch.no_grad():
+        stepped = q_logits - 0.5 * q_logits.grad / q_logits.grad.norm()
+        after = residual(lp, stepped.log_softmax(-1), rule="resispec", n=4, form="plain", fkl_weight=0).mean()
+    assert after < loss
+
+
+def test_residual_rule_and_draws_come_from_decode():
+    decode = DecodeConfig(rule="rrs", tree=[3, 2, 1])
+    assert residual_rule(LossConfig(), decode) == "rrs" and residual_num_draws(LossConfig(), decode) == 3
+    assert residual_rule(LossConfig(rule="kseq", num_draws=2), decode) == "kseq"
+    assert residual_num_draws(LossConfig(num_draws=2), decode) == 2
+    assert residual_rule(LossConfig(), DecodeConfig(rule="resispec_auto")) == "resispec"
+
+
+def test_rule_without_closed_form_fails_early():
+    with pytest.raises(ValueError, match="closed-form"):
+        check_loss_config(LossConfig(name="residual", rule="rsd"), DecodeConfig())
+    with pytest.raises(ValueError, match="unknown loss"):
+        check_loss_config(LossConfig(name="kl"), DecodeConfig())
+
+
+def test_sparse_with_all_tokens_equals_dense():
+    """Top-K with K = V: the tail is empty and every loss equals the dense one."""
+    t_logits, q_logits = _logits(seed=8), _logits(seed=9)
+    decode = DecodeConfig(temperature=0.7, tree=[4])
+    top = torch.topk(process_logits(t_logits, 0.7), 11, dim=-1)
+    sparse = TargetSignal(top.values, top.indices)
+    lp_d, lq_d = paired_logprobs(TargetSignal(t_logits), q_logits, decode, truncate=False)
+    lp_s, lq_s = paired_logprobs(sparse, q_logits, decode, truncate=False)
+    for f in (fkl, tvd):
+        torch.testing.assert_close(f(lp_s, lq_s), f(lp_d, lq_d), atol=1e-5, rtol=1e-5)
+    a_d = residual(lp_d, lq_d, rule="resispec", n=4, form="plain", fkl_weight=0)
+    a_s = residual(lp_s, lq_s, rule="resispec", n=4, form="plain", fkl_weight=0)
+    torch.testing.assert_close(a_s, a_d, atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_buckets_are_distributions_on_one_support():
+    t_logp, q_logp = _logp(seed=10, v=50), _logp(seed=11, v=50)
+    top = torch.topk(t_logp, 5, dim=-1)
+    lp = sparse_with_tail(top.values)  # [N, 6]
+    lq = bucket_draft(q_logp, top.indices)  # [N, 6]
+    torch.testing.assert_close(lp.exp().sum(-1), torch.ones(6))
+    torch.testing.assert_close(lq.exp().sum(-1), torch.ones(6))
+    torch.testing.assert_close(lq[:, :5], q_logp.gather(-1, top.indices))
+    # merging tokens can only increase the overlap: the bucketed tvd is a lower bound of the dense one
+    assert (tvd(lp, lq) <= tvd(t_logp, q_logp) + 1e-6).all()
+
+
+def test_filters():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    assert torch.isfinite(filter_logits(logits, top_k=2)).sum() == 2
+    probs = logits.softmax(-1)[0]  # .64 .24 .09 .03 .01
+    kept = torch.isfinite(filter_logits(logits, top_p=0.8)).sum().item()
+    assert kept == 2 and probs[:1].sum() < 0.8 <= probs[:2].sum()
+    # temperature 0 (greedy serving) trains at temperature 1
+    torch.testing.assert_close(process_logits(logits, 0.0), logits.log_softmax(-1))
+    torch.testing.assert_close(process_logits(logits, 0.5), (logits / 0.5).log_softmax(-1))
+
+
+def test_residual_sees_top_p_and_divergences_do_not():
+    t_logits, q_logits = _logits(seed=12), _logits(seed=13)
+    decode = DecodeConfig(top_p=0.5)
+    lp, _ = paired_logprobs(TargetSignal(t_logits), q_logits, decode, truncate=True)
+    assert torch.isinf(lp).any()
+    lp, _ = paired_logprobs(TargetSignal(t_logits), q_logits, decode, truncate=False)
+    assert torch.isfinite(lp).all()
+    loss, _ = distill_loss(
+        q_logits[None], TargetSignal(t_logits[None]), torch.ones(1, 6), LossConfig(), decode
+    )
+    assert torch.isfinite(loss)
+
+
+def test_masked_positions_do_not_count():
+    t, q = _logits(n=8, seed=14)[None], _logits(n=8, seed=15)[None]  # [1, 8, V]
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 0]])
+    q2 = q.clone()
+    q2[0, mask[0] == 0] += 5 * torch.randn_like(q2[0, mask[0] == 0])
+    for name in ("fkl", "tvd", "residual"):
+        a, _ = distill_loss(q, TargetSignal(t), mask, LossConfig(name=name), DecodeConfig())
+        b, _ = distill_loss(q2, TargetSignal(t), mask, LossConfig(name=name), DecodeConfig())
+        torch.testing.assert_close(a, b)
+    # and the value is the plain mean of the per-position losses over the 4 masked positions
+    loss, stats = distill_loss(q, TargetSignal(t), mask, LossConfig(name="fkl"), DecodeConfig())
+    sel = mask[0].bool()
+    torch.testing.assert_close(loss, fkl(t[0, sel].log_softmax(-1), q[0, sel].log_softmax(-1)).mean())
+    assert stats["num_positions"] == 4
+
+
+def test_position_weights_decay_with_depth():
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 1, 1]])
+    assert run_positions(mask).tolist() == [[0, 0, 1, 2, 3, 4, 0, 0, 1]]
+    w = position_weights(mask, depth_decay=0.5, depth=3)
+    assert w.tolist() == [[0, 1, 0.5, 0.25, 1, 0.5, 0, 1, 0.5]]
+    assert position_weights(mask, 1.0, 3).tolist() == mask.float().tolist()
+
+
+def test_empty_mask_gives_zero_with_a_graph():
+    q = _logits(n=4, seed=16)[None].requires_grad_(True)
+    loss, stats = distill_loss(
+        q, TargetSignal(_logits(n=4)[None]), torch.zeros(1, 4), LossConfig(), DecodeConfig()
+    )
+    loss.backward()
+    assert loss.item() == 0 and stats["num_positions"] == 0
