@@ -1,0 +1,346 @@
+"""The exact speculative tree decoder (batch 1): draft a tree, verify it in one target forward, accept with a rule.
+
+One step, with L committed tokens (the last one, the root, is not yet in the target cache):
+  draft:  one draft forward per depth d = 0..D-1 (depth 0 = the pending committed tokens, deeper ones = the whole
+          tree level at once under a tree mask); the rule proposes each node's draws from q; repeated draws merge.
+  verify: ONE target forward over [root, all tree nodes] with the tree mask; position = L - 1 + depth.
+  accept: per level, the rule verifies every node of that level against p (batched; only the walked path is
+          used), then one host sync; walk from the root, emit the accepted path plus one correction/bonus token.
+  cache:  both caches are compacted to the accepted path (gather + truncate, never re-encoding); when the whole
+          path is accepted, the deepest token (never fed to the draft) is fed with the next step's depth-0 forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from resispec.decoding.kv_cache import (
+    cache_length,
+    compact_cache,
+    crop_cache,
+    forward_logits,
+    new_cache,
+    tree_attention_mask,
+)
+from resispec.decoding.sampling import process_logits, sample_tokens
+from resispec.decoding.stats import DecodeStats
+from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
+from resispec.decoding.tokenizers import check_tokenizers, resolve_vocab_size
+from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
+
+
+@dataclass
+class DecodeOutput:
+    sequences: torch.Tensor  # [1, L] prompt + generated
+    stats: DecodeStats
+
+
+def _resolve_rule(rule):
+    """A rule name (key of resispec.verify.VERIFIERS) or any object with scheme/propose/verify."""
+    if not isinstance(rule, str):
+        return rule
+    from resispec.verify import VERIFIERS
+
+    if rule not in VERIFIERS:
+        raise KeyError(f"unknown verification rule {rule!r}; known: {sorted(VERIFIERS)}")
+    return VERIFIERS[rule]
+
+
+class SpeculativeDecoder:
+    """Exact speculative decoding of `target` with `draft` (HF causal LMs sharing a tokenizer), batch 1.
+
+    rule: a name in `resispec.verify.VERIFIERS` (or a rule object); tree: branching per depth ([1]*k = chain).
+    tokenizer: optional, needed only for `stop` strings. tokenizer_target / tokenizer_draft: when both are given
+    they are checked to be the same tokenizer (TokenizerMismatchError otherwise).
+    compile: torch.compile the two model forwards (CUDA only; the uncompiled path is the reference).
+    timing: synchronise CUDA around phases so draft/target seconds are exact (costs a little on GPU).
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module,
+        rule="resispec",
+        tree: Sequence[int] = (4, 2, 1, 1),
+        tokenizer=None,
+        tokenizer_target=None,
+        tokenizer_draft=None,
+        compile: bool = False,
+        timing: bool = True,
+    ) -> None:
+        check_tokenizers(tokenizer_target, tokenizer_draft)
+        self.target, self.draft = target.eval(), draft.eval()
+        self.tokenizer = tokenizer if tokenizer is not None else tokenizer_target
+        self.vocab_size = resolve_vocab_size(target, draft, self.tokenizer)
+        self.rule_name = rule if isinstance(rule, str) else type(rule).__name__
+        self.rule = _resolve_rule(rule)
+        self.shape = parse_tree(list(tree))
+        self.max_nodes = max_tree_nodes(self.shape)
+        self.device = next(target.parameters()).device
+        if next(draft.parameters()).device != self.device:
+            raise ValueError("target and draft must be on the same device")
+        self.timing = timing
+        self._target_fwd: Callable = target
+        self._draft_fwd: Callable = draft
+        if compile and self.device.type == "cuda":
+            self._target_fwd = torch.compile(target, dynamic=True)
+            self._draft_fwd = torch.compile(draft, dynamic=True)
+        self.last_stats: DecodeStats | None = None
+
+    # ------------------------------------------------------------------ public API
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> DecodeOutput:
+        """Speculative decoding. kwargs as `generate_stream`. Returns prompt + generated and the stats."""
+        return self._collect(input_ids, self.generate_stream(input_ids, **kwargs))
+
+    @torch.inference_mode()
+    def generate_autoregressive(self, input_ids: torch.Tensor, **kwargs) -> DecodeOutput:
+        """Plain target decoding (the baseline): same interface, same cache path and sampling transform."""
+        return self._collect(input_ids, self.generate_stream(input_ids, speculative=False, **kwargs))
+
+    def generate_stream(
+        self,
+        input_ids: torch.Tensor,  # [1, L] (or [L])
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        eos_token_id: int | Sequence[int] | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_checker: StopChecker | None = None,
+        generator: torch.Generator | None = None,
+        speculative: bool = True,
+    ) -> Iterator[list[int]]:
+        """Yield each step's newly emitted token ids (batch 1). Stats land in `self.last_stats` at the end.
+
+        eos_token_id None -> the target's generation_config.eos_token_id; pass [] to disable EOS stopping.
+        stop: string(s) ending generation (needs `tokenizer`); stop_checker: any callable(generated_ids) -> bool.
+        The token that triggers a stop is emitted; nothing after it is.
+        """
+        prompt = self._prompt_list(input_ids)
+        if eos_token_id is None:
+            eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
+        checkers = [c for c in (stop_checker,) if c is not None]
+        if stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need SpeculativeDecoder(..., tokenizer=...) or a stop_checker")
+            checkers.append(make_stop_string_checker(self.tokenizer, stop))
+        settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        steps = self._spec_steps if speculative else self._ar_steps
+        stats = DecodeStats(
+            accepted_per_position=[0] * len(self.shape), reached_per_position=[0] * len(self.shape)
+        )
+        self.last_stats = stats
+        return self._emit(
+            steps(prompt, settings, generator, stats),
+            max_new_tokens,
+            normalize_eos(eos_token_id),
+            checkers,
+            stats,
+        )
+
+    # ------------------------------------------------------------------ shared plumbing
+    def _prompt_list(self, input_ids) -> list[int]:
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise NotImplementedError(
+                    "SpeculativeDecoder supports batch size 1 only; loop over the batch"
+                )
+            ids = ids[0]
+        if ids.numel() == 0:
+            raise ValueError("empty prompt")
+        return ids.tolist()
+
+    def _collect(self, input_ids, stream: Iterator[list[int]]) -> DecodeOutput:
+        prompt = torch.as_tensor(input_ids).reshape(1, -1)
+        new = [tok for chunk in stream for tok in chunk]
+        gen = torch.tensor([new], dtype=prompt.dtype, device=prompt.device)
+        return DecodeOutput(sequences=torch.cat([prompt, gen], dim=1), stats=self.last_stats)
+
+    def _emit(self, steps, max_new_tokens, eos, checkers, stats) -> Iterator[list[int]]:
+        """Cut each step's run at the first stop condition; close the step generator after a stop."""
+        start = time.perf_counter()
+        generated: list[int] = []
+        try:
+            if max_new_tokens <= 0:
+                return
+            for run in steps:
+                chunk, done = [], False
+                for tok in run:
+                    generated.append(tok)
+                    chunk.append(tok)
+                    if tok in eos or len(generated) >= max_new_tokens or any(c(generated) for c in checkers):
+                        done = True
+                        break
+                stats.num_new_tokens += len(chunk)
+                stats.total_seconds = time.perf_counter() - start
+                yield chunk
+                if done:
+                    return
+        finally:
+            steps.close()
+            stats.total_seconds = time.perf_counter() - start
+
+    def _sync(self) -> None:
+        if self.timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _probs(self, logits: torch.Tensor, settings: dict) -> torch.Tensor:
+        """[N, V'] logits -> [N, V] probabilities (vocab cut to the shared size, then THE sampling transform)."""
+        return process_logits(logits[..., : self.vocab_size], **settings)
+
+    def _prefill_target(self, prompt: list[int], stats: DecodeStats):
+        """Target cache := prompt[:-1]; the last prompt token is the first root."""
+        cache = new_cache(self.target)
+        if len(prompt) > 1:
+            self._sync()
+            t0 = time.perf_counter()
+            ids = torch.tensor([prompt[:-1]], device=self.device)
+            forward_logits(self._target_fwd, ids, cache, logits_to_keep=1)
+            self._sync()
+            stats.target_seconds += time.perf_counter() - t0
+            stats.target_forwards += 1
+        return cache
+
+    # ------------------------------------------------------------------ autoregressive baseline
+    @torch.inference_mode()  # torch wraps each resume of a generator, so the consumer is unaffected
+    def _ar_steps(self, prompt, settings, generator, stats) -> Iterator[list[int]]:
+        cache = self._prefill_target(prompt, stats)
+        pos, root = len(prompt) - 1, prompt[-1]
+        greedy = settings["temperature"] <= 0.0
+        while True:
+            self._sync()
+            t0 = time.perf_counter()
+            ids = torch.tensor([[root]], device=self.device)
+            logits = forward_logits(self._target_fwd, ids, cache, torch.tensor([[pos]], device=self.device))
+            logits = logits[0, -1:, : self.vocab_size]  # [1, V]
+            if greedy:
+                tok = logits.argmax(dim=-1)
+            else:
+                tok = sample_tokens(process_logits(logits, **settings), generator)
+            root = int(tok.item())
+            stats.target_seconds += time.perf_counter() - t0
+            stats.target_forwards += 1
+            pos += 1
+            yield [root]
+
+    # ------------------------------------------------------------------ speculative steps
+    @torch.inference_mode()
+    def _spec_steps(self, prompt, settings, generator, stats) -> Iterator[list[int]]:
+        dev, rule, shape = self.device, self.rule, self.shape
+        depth_max = len(shape)
+        greedy = settings["temperature"] <= 0.0
+        tcache = self._prefill_target(prompt, stats)
+        dcache = new_cache(self.draft)
+        mask_dtype = self.target.dtype
+        draft_mask_dtype = self.draft.dtype
+        num_committed = len(prompt)  # L; the root prompt[-1] is the last committed token
+        pending = list(prompt)  # committed tokens not yet in the draft cache (the draft prefill is folded in)
+        root = prompt[-1]
+        while True:
+            # ---- draft phase: one forward per depth
+            self._sync()
+            t0 = time.perf_counter()
+            tree = DraftTree(root, self.max_nodes)
+            start = cache_length(dcache)
+            pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
+            ids = torch.tensor([pending], device=dev)
+            logits = forward_logits(self._draft_fwd, ids, dcache, pos, logits_to_keep=1)  # [1, 1, V]
+            q = self._probs(logits[0], settings)  # [1, V]
+            proposals, draws = [], []
+            for depth in range(1, depth_max + 1):
+                proposal = rule.propose(q, shape[depth - 1], generator)
+                proposals.append(proposal)
+                draws.append(proposal.tokens.tolist())  # [n_{d-1}][b_d]
+                level = tree.add_level(draws[-1])
+                if depth == depth_max:
+                    break
+                mask = tree_attention_mask(
+                    num_committed, tree.mask(level, range(1, level.stop)).to(dev), draft_mask_dtype
+                )
+                ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
+                pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
+                logits = forward_logits(self._draft_fwd, ids, dcache, pos, mask)  # [1, n_d, V]
+                q = self._probs(logits[0], settings)  # [n_d, V]
+            self._sync()
+            t1 = time.perf_counter()
+            stats.draft_seconds += t1 - t0
+            stats.draft_forwards += depth_max
+
+            # ---- verify phase: ONE target forward over the root and every node
+            num_nodes = tree.num_nodes
+            all_nodes = range(0, num_nodes)
+            mask = tree_attention_mask(num_committed - 1, tree.mask(all_nodes, all_nodes).to(dev), mask_dtype)
+            ids = torch.tensor([tree.tokens], device=dev)
+            pos = torch.tensor([tree.depths], device=dev) + (num_committed - 1)
+            logits = forward_logits(self._target_fwd, ids, tcache, pos, mask)  # [1, N+1, V]
+            p = self._probs(logits[0], settings)  # [N+1, V]
+
+            # ---- accept phase: verify every level (batched), one host sync, then walk
+            out_tokens, out_slots = [], []
+            for depth in range(1, depth_max + 1):
+                parents = tree.level(depth - 1)
+                token, slot = rule.verify(p[parents.start : parents.stop], proposals[depth - 1], generator)
+                out_tokens.append(token.reshape(-1))
+                out_slots.append(slot.reshape(-1))
+            leaves = tree.level(depth_max)
+            leaf_p = p[leaves.start : leaves.stop]  # [n_D, V]
+            bonus = leaf_p.argmax(dim=-1) if greedy else sample_tokens(leaf_p, generator)
+            host = torch.cat(out_tokens + out_slots + [bonus]).tolist()
+            self._sync()
+            stats.target_seconds += time.perf_counter() - t1
+            stats.target_forwards += 1
+
+            run, accepted = self._walk(tree, host, depth_max)
+            num_acc = len(accepted)
+            stats.num_drafts += 1
+            stats.num_draft_tokens += num_nodes - 1
+            stats.num_accepted_tokens += num_acc
+            for j in range(min(num_acc + 1, depth_max)):
+                stats.reached_per_position[j] += 1
+                stats.accepted_per_position[j] += int(j < num_acc)
+            yield run  # the consumer closes this generator at a stop, so no cache work is wasted after it
+
+            # ---- compact both caches to the accepted path
+            _compact(tcache, num_committed - 1, [0] + accepted)
+            in_draft = [n - 1 for n in accepted if tree.depths[n] < depth_max]  # nodes the draft has seen
+            _compact(dcache, num_committed, in_draft)
+            pending = ([tree.tokens[accepted[-1]]] if num_acc == depth_max else []) + [run[-1]]
+            num_committed += num_acc + 1
+            root = run[-1]
+
+    @staticmethod
+    def _walk(tree: DraftTree, host: list[int], depth_max: int) -> tuple[list[int], list[int]]:
+        """Follow the verified path from the root. host = level tokens, level slots, leaf bonus tokens (flat)."""
+        num_internal = tree.level_starts[depth_max]  # nodes with children: depths 0..D-1
+        tokens, slots, bonus = (
+            host[:num_internal],
+            host[num_internal : 2 * num_internal],
+            host[2 * num_internal :],
+        )
+        node, run, accepted = 0, [], []
+        while tree.depths[node] < depth_max:
+            tok = tokens[node]
+            run.append(tok)
+            if slots[node] < 0:  # rejected: `tok` is the correction token
+                return run, accepted
+            child = tree.children[node].get(tok)
+            if child is None:
+                raise RuntimeError(f"rule accepted token {tok} that is not a child of node {node}")
+            node = child
+            accepted.append(node)
+        run.append(bonus[node - tree.level_starts[depth_max]])
+        return run, accepted
+
+
+def _compact(cache, start: int, keep: list[int]) -> None:
+    """Keep cache[:start] + cache[start + keep]; a plain crop when `keep` is already 0, 1, 2, ..."""
+    if keep == list(range(len(keep))):
+        crop_cache(cache, start + len(keep))
+    else:
+        compact_cache(cache, start, torch.tensor(keep, device=cache.layers[0].keys.device))

@@ -1,0 +1,85 @@
+"""The one adapter between the decoder and transformers' cache objects (5.x `DynamicCache`).
+
+Everything the decoder does to a KV cache goes through here: create, length, crop to a length, compact to a
+subset of tree positions, and the 4D tree attention mask plus position ids passed to the model forward.
+transformers 5.x returns a 4D `attention_mask` as-is from `create_causal_mask` (a "custom" mask), so an additive
+float mask of shape [B, 1, Q, KV] works for both the eager and sdpa attention paths.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def new_cache(model: torch.nn.Module) -> DynamicCache:
+    """An empty cache laid out for `model` (sliding-window layers included)."""
+    return DynamicCache(config=model.config)
+
+
+def cache_length(cache: DynamicCache) -> int:
+    """Tokens currently held (layer 0; all full-attention layers agree)."""
+    return cache.get_seq_length()
+
+
+def _layers(cache: DynamicCache):
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+            yield layer
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` tokens (DynamicCache.crop only takes tokens-to-remove, so wrap it here)."""
+    for layer in _layers(cache):
+        if layer.keys.shape[-2] > length:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
+def compact_cache(cache: DynamicCache, start: int, keep_ids: torch.Tensor) -> None:
+    """Keep tokens [:start] plus the tokens at `start + keep_ids` (in that order), drop the rest.
+
+    Used after acceptance: `start` is the committed prefix, `keep_ids` [K] the accepted path's offsets inside the tree
+    block. No re-encoding: the accepted rows are moved down with one gather per layer, then the cache is truncated.
+    """
+    num_keep = int(keep_ids.numel())
+    for layer in _layers(cache):
+        sel = keep_ids + start  # [K]
+        # advanced indexing copies first, so the overlapping write below is safe
+        layer.keys[..., start : start + num_keep, :] = layer.keys.index_select(-2, sel)
+        layer.values[..., start : start + num_keep, :] = layer.values.index_select(-2, sel)
+        layer.keys = layer.keys[..., : start + num_keep, :]
+        layer.values = layer.values[..., : start + num_keep, :]
+
+
+def tree_attention_mask(
+    prefix_len: int,
+    block_mask: torch.Tensor,  # [Q, T] bool: query i may attend to block token j (ancestors + itself)
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Additive 4D mask [1, 1, Q, prefix_len + T]: every query sees the whole committed prefix, and inside the
+    block (tree tokens already in the cache followed by the Q new ones) only what `block_mask` allows."""
+    num_q, num_t = block_mask.shape
+    mask = torch.zeros(1, 1, num_q, prefix_len + num_t, dtype=dtype, device=block_mask.device)
+    mask[0, 0, :, prefix_len:].masked_fill_(~block_mask, torch.finfo(dtype).min)
+    return mask
+
+
+def forward_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # [1, Q]
+    cache: DynamicCache,
+    position_ids: torch.Tensor | None = None,  # [1, Q]
+    attention_mask: torch.Tensor | None = None,  # [1, 1, Q, KV] additive, or None for plain causal
+    logits_to_keep: int = 0,
+) -> torch.Tensor:
+    """One cached forward; returns logits [1, Q', V] (Q' = logits_to_keep or Q). The cache is extended in place."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+    )
+    return out.logits

@@ -1,0 +1,59 @@
+"""Decoding statistics: the quantities DESIGN.md asks for (tau, per-depth acceptance, c) and vLLM's spec-decode
+counters (num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_position)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one `generate` call. Timings are wall-clock seconds (CUDA-synchronised when timing is on)."""
+
+    target_forwards: int = 0  # all target forwards, prefill included
+    draft_forwards: int = 0  # all draft forwards (the draft's prefill is folded into its first step)
+    num_drafts: int = 0  # speculative steps = verify forwards (one tree each)
+    num_draft_tokens: int = 0  # tree nodes proposed, summed over steps (repeated draws merged)
+    num_accepted_tokens: int = 0  # accepted draft tokens (the bonus/correction token is not counted)
+    accepted_per_position: list[int] = field(default_factory=list)  # [D] accepted at depth d+1
+    reached_per_position: list[int] = field(default_factory=list)  # [D] steps whose walk reached depth d+1
+    num_new_tokens: int = 0  # tokens emitted (after stop truncation)
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Accepted length: tokens per verify forward, bonus/correction included (1.0 = no gain; AR = 1.0)."""
+        if self.num_drafts == 0:
+            return 1.0
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts
+
+    @property
+    def per_depth_acceptance(self) -> list[float]:
+        """P(accept at depth d | the walk reached depth d), d = 1..D."""
+        return [
+            a / r if r else 0.0
+            for a, r in zip(self.accepted_per_position, self.reached_per_position, strict=True)
+        ]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    @property
+    def c(self) -> float:
+        """Draft forward time / target forward time (mean per forward)."""
+        if not (self.draft_forwards and self.target_forwards and self.target_seconds > 0):
+            return 0.0
+        return (self.draft_seconds / self.draft_forwards) / (self.target_seconds / self.target_forwards)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            tau=self.tau,
+            per_depth_acceptance=self.per_depth_acceptance,
+            tokens_per_second=self.tokens_per_second,
+            c=self.c,
+        )
+        return out

@@ -1,0 +1,34 @@
+"""Stop conditions checked token by token inside an accepted run: EOS ids, stop strings, max_new_tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+StopChecker = Callable[[list[int]], bool]  # generated ids so far (prompt excluded) -> stop now?
+
+
+def normalize_eos(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset([eos_token_id])
+    return frozenset(int(t) for t in eos_token_id)
+
+
+def make_stop_string_checker(tokenizer, stop: str | Sequence[str]) -> StopChecker:
+    """A checker that fires once the decoded generated text contains any stop string.
+
+    Only a tail window of tokens is decoded (the stop string must end at the newest token, since the checker runs
+    after every token), so the cost per token does not grow with the output length. The token that completes the
+    stop string is emitted; the server trims the text at the stop string.
+    """
+    stops = [stop] if isinstance(stop, str) else [s for s in stop if s]
+    if not stops:
+        return lambda ids: False
+    window = max(len(s) for s in stops) + 8  # tokens: every real token decodes to >= 1 character, plus slack
+
+    def check(ids: list[int]) -> bool:
+        text = tokenizer.decode(ids[-window:], skip_special_tokens=False)
+        return any(s in text for s in stops)
+
+    return check
