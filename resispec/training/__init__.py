@@ -4,10 +4,21 @@
 free of import cycles (resispec.losses imports resispec.training.config).
 """
 
-__all__ = ["DistillResult", "EmptyDatasetError", "distill"]
+__all__ = [
+    "USER_ERRORS",
+    "DistillConfigError",
+    "DistillResult",
+    "EmptyDatasetError",
+    "distill",
+    "format_metrics",
+]
 
 
 def __getattr__(name: str):
+    if name == "format_metrics":
+        from resispec.training.evaluation import format_metrics
+
+        return format_metrics
     if name in __all__:
         from resispec.training import loop
 

@@ -147,3 +147,29 @@ def evaluate(
         out["alpha"][r] = {str(n): by_n[n].mean().item() for n in ns}
         out["tau"][r], out["per_depth"][r] = simulate_tau([by_n[n] for n in tree], lengths)
     return out
+
+
+def format_metrics(metrics: dict) -> str:
+    """A markdown table of held-out alpha (per n) and simulated tau per rule, before vs after."""
+    before, after = metrics.get("before") or {}, metrics.get("after") or {}
+    rules = list((before or after).get("tau", {}))
+    ns = list(next(iter((before or after).get("alpha", {}).values()), {}))
+    head = ["rule"] + [f"alpha n={n} before/after" for n in ns] + ["tau before", "tau after"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def get(m: dict, *keys) -> str:
+        for k in keys:
+            if not isinstance(m, dict) or k not in m:
+                return "-"
+            m = m[k]
+        return f"{m:.3f}"
+
+    for r in rules:
+        cells = [r] + [f"{get(before, 'alpha', r, n)} / {get(after, 'alpha', r, n)}" for n in ns]
+        cells += [get(before, "tau", r), get(after, "tau", r)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append(
+        f"held-out positions: {before.get('num_positions', '-')}; fkl before {get(before, 'fkl')}, "
+        f"after {get(after, 'fkl')}; best step {metrics.get('best_step')} by tau of {metrics.get('rule')}"
+    )
+    return "\n".join(lines)

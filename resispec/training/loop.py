@@ -33,6 +33,14 @@ class EmptyDatasetError(ValueError):
     """The training or held-out data has no response token to learn from."""
 
 
+class DistillConfigError(ValueError):
+    """A setting the run cannot honour (unknown loss, a rule without a closed form, ...)."""
+
+
+# errors the entry script reports as one line (the user's to fix, not bugs); models adds its own two
+USER_ERRORS: tuple[type[Exception], ...] = (EmptyDatasetError, DistillConfigError)
+
+
 @dataclass
 class DistillResult:
     output_dir: Path  # the run folder: draft/, metrics.json, config.yaml, checkpoints/, wandb/
@@ -41,6 +49,7 @@ class DistillResult:
     adapter_dir: Path | None = None  # LoRA adapter (peft format), when draft.adapter=lora
     steps: int = 0
     num_processes: int = 1
+    is_main: bool = True  # False on the other processes of a multi-process run (they print nothing)
 
 
 @dataclass
@@ -95,7 +104,9 @@ def _lora_wrap(model, draft_cfg: ModelConfig):
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     modules = [m for m in draft_cfg.lora.target_modules if m in names]
     if not modules:
-        raise ValueError(f"none of lora.target_modules {draft_cfg.lora.target_modules} exist in the draft")
+        raise DistillConfigError(
+            f"none of lora.target_modules {draft_cfg.lora.target_modules} exist in the draft"
+        )
     cfg = PeftLoraConfig(
         r=draft_cfg.lora.r,
         lora_alpha=draft_cfg.lora.alpha,
@@ -146,15 +157,17 @@ def distill(
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from resispec.data import pack
-
-    check_loss_config(loss, decode)
+    try:
+        check_loss_config(loss, decode)
+    except ValueError as e:
+        raise DistillConfigError(str(e)) from e
     on_cpu = target.device == "cpu" or not torch.cuda.is_available()
     accelerator = Accelerator(cpu=on_cpu, mixed_precision=train.mixed_precision)
     is_main = accelerator.is_main_process
     set_seed(train.seed)
 
-    run_dir = Path(output_dir)
+    # every process writes to the main one's folder (Hydra's ${now} can differ by a second between processes)
+    run_dir = Path(_broadcast_str(accelerator, str(output_dir)))
     if train.resume:
         found = ckpt.find_resume_dir(run_dir)
         if found is None:
@@ -176,6 +189,8 @@ def distill(
     target_model.to(device).eval().requires_grad_(False)
     draft_model.to(device)
     pad_id = _pad_id(tok)
+    from resispec.data import pack
+
     packed = pack(train_ds, data.seq_len, pad_id).with_format("torch")
     if len(packed) == 0 or int(sum(int(r["loss_mask"].sum()) for r in packed)) == 0:
         raise EmptyDatasetError(
@@ -187,7 +202,7 @@ def distill(
     rules = closed_form_rules()
     pick_rule = eval_rule(decode.rule)
     if pick_rule not in rules:
-        raise ValueError(
+        raise DistillConfigError(
             f"decode.rule {decode.rule!r} has no closed form to simulate tau; closed forms: {rules}"
         )
 
@@ -220,12 +235,12 @@ def distill(
             ),
         )
     elif train.target_signal != "online":
-        raise ValueError(f"train.target_signal must be online or cached, got {train.target_signal!r}")
+        raise DistillConfigError(f"train.target_signal must be online or cached, got {train.target_signal!r}")
 
     if draft.adapter == "lora":
         draft_model = _lora_wrap(draft_model, draft)
     elif draft.adapter != "none":
-        raise ValueError(f"draft.adapter must be none or lora, got {draft.adapter!r}")
+        raise DistillConfigError(f"draft.adapter must be none or lora, got {draft.adapter!r}")
     draft_model.train()
     params = [p for p in draft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -374,7 +389,18 @@ def distill(
         adapter_dir=run_dir / "adapter" if draft.adapter == "lora" else None,
         steps=state.step,
         num_processes=accelerator.num_processes,
+        is_main=is_main,
     )
+
+
+def _broadcast_str(accelerator, value: str) -> str:
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
 
 
 def _cache_root(world: WorldConfig, data: DataConfig) -> Path:
