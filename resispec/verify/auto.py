@@ -1,0 +1,209 @@
+"""resispec_auto: choose the drafting scheme and the verification rule PER NODE from draft-side information only.
+
+When the draft is unsure (flat q), i.i.d. draws with residual shaping (`resispec`) accept most; when it is confident,
+i.i.d. draws repeat the top token and distinct draws (`gumbel`, `rsd` or `resispec_wor`) cover more. q is known
+before drafting, so a choice that looks only at q (and n) keeps every node exact: each row is an exact rule.
+
+    rule = VERIFIERS["resispec_auto"]                # default policy: distinct + gumbel where max q >= 0.3
+    proposal = rule.propose(q, n, generator)         # AutoProposal: tokens [B, n] + which branch each row took
+    token, slot = rule.verify(p, proposal, generator)
+    alpha = rule.acceptance(p, q, n)                 # exact; raises if a row's branch has no closed form
+    alpha = rule.surrogate_acceptance(p, q, n)       # never raises: a surrogate on those rows (below)
+
+Policy (`AutoPolicy`): a feature of q (`max_q` or `entropy`, in nats) against a threshold, optionally per n (the
+small table `python -m resispec.verify.headroom` calibrates), plus the two rules to use. Load a calibrated policy
+with `configure_auto(AutoPolicy.load(path))`, or point the environment variable RESISPEC_AUTO_POLICY at the JSON file
+before `resispec.verify` is imported.
+
+acceptance: rows on the i.i.d. branch get resispec's closed form, sum min(p, T* q). Rows on the distinct branch
+get that rule's closed form when it has one (resispec_wor, n <= 2). gumbel and rsd have none: `acceptance` then
+raises NotImplementedError (like gumbel and rsd themselves), and `surrogate_acceptance` returns, on those rows, the
+resispec closed form, i.e. what the node would accept had it drafted i.i.d. That surrogate is what a residual
+training loss can use (resispec.losses maps resispec_auto to resispec for the same reason); on those rows the real
+per-node alpha is usually higher (that is why the policy chose distinct draws). The headroom tool measures the
+real value by Monte Carlo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from resispec.verify.base import Proposal, Tensor, check_draws, check_pair
+from resispec.verify.distinct import ResiSpecWORRule
+
+FEATURES = ("max_q", "entropy")
+
+
+def confidence_feature(q: Tensor, feature: str) -> Tensor:
+    """Draft-side feature per row: max q, or the entropy of q in nats. q [B, V] -> [B]."""
+    if feature == "max_q":
+        return q.max(-1).values
+    if feature == "entropy":
+        logq = torch.where(q > 0, q.log(), torch.zeros_like(q))
+        return -(q * logq).sum(-1)
+    raise ValueError(f"unknown auto feature {feature!r}; choose one of {FEATURES}")
+
+
+@dataclass
+class AutoPolicy:
+    """Distinct draws where the draft is confident: max_q >= threshold, or entropy <= threshold.
+
+    thresholds: per-n overrides (JSON keys are strings); n not listed uses `threshold`."""
+
+    feature: str = "max_q"
+    threshold: float = 0.3
+    thresholds: dict[int, float] = field(default_factory=dict)
+    iid_rule: str = "resispec"
+    distinct_rule: str = "gumbel"
+
+    def __post_init__(self) -> None:
+        if self.feature not in FEATURES:
+            raise ValueError(f"unknown auto feature {self.feature!r}; choose one of {FEATURES}")
+        self.thresholds = {int(k): float(v) for k, v in self.thresholds.items()}
+
+    def threshold_for(self, n: int) -> float:
+        return self.thresholds.get(n, self.threshold)
+
+    def distinct_rows(self, q: Tensor, n: int) -> Tensor:
+        """Bool [B]: rows that draft distinct tokens. q [B, V]."""
+        f = confidence_feature(q.detach(), self.feature)
+        t = self.threshold_for(n)
+        return f >= t if self.feature == "max_q" else f <= t
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> AutoPolicy:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+@dataclass
+class AutoProposal(Proposal):
+    """A Proposal whose rows came from two rules. distinct_mask [B] bool; the sub-proposals hold their rows
+    in the order of `distinct_mask.nonzero()` (distinct) and `(~distinct_mask).nonzero()` (i.i.d.)."""
+
+    distinct_mask: Tensor | None = None  # [B] bool
+    iid_part: Proposal | None = None
+    distinct_part: Proposal | None = None
+
+
+def _rules():
+    from resispec.verify import VERIFIERS
+
+    return VERIFIERS
+
+
+class ResiSpecAutoRule:
+    """Per-node choice between an i.i.d. and a distinct drafting scheme (module docstring)."""
+
+    name = "resispec_auto"
+    scheme = "iid"  # per row it is "iid" or "distinct"; the proposal's distinct_mask says which
+
+    def __init__(self, policy: AutoPolicy | None = None, name: str = "resispec_auto") -> None:
+        self.policy = policy or AutoPolicy()
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<verification rule {self.name!r} ({self.policy})>"
+
+    def _branches(self):
+        rules = _rules()
+        return rules[self.policy.iid_rule], rules[self.policy.distinct_rule]
+
+    def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> AutoProposal:
+        """q [B, V] -> AutoProposal(tokens [B, n]); each row drafted by the branch its q selects."""
+        check_draws(n)
+        iid, distinct = self._branches()
+        mask = self.policy.distinct_rows(q, n)  # [B]
+        d_rows, i_rows = mask.nonzero()[:, 0], (~mask).nonzero()[:, 0]
+        tokens = torch.full((q.shape[0], n), -1, dtype=torch.long, device=q.device)
+        noise = None
+        d_part = distinct.propose(q[d_rows], n, generator) if len(d_rows) else None
+        i_part = iid.propose(q[i_rows], n, generator) if len(i_rows) else None
+        if d_part is not None:
+            tokens[d_rows] = d_part.tokens
+            if (
+                d_part.noise is not None
+            ):  # for callers that read proposal.noise; rows of the other branch are 0
+                noise = torch.zeros_like(q)
+                noise[d_rows] = d_part.noise
+        if i_part is not None:
+            tokens[i_rows] = i_part.tokens
+        return AutoProposal(
+            tokens=tokens, q=q, noise=noise, distinct_mask=mask, iid_part=i_part, distinct_part=d_part
+        )
+
+    def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
+        """p [B, V] -> token [B], slot [B]; each row verified by the rule that drafted it."""
+        check_pair(p, proposal.q)
+        if not isinstance(proposal, AutoProposal) or proposal.distinct_mask is None:
+            raise ValueError("resispec_auto.verify needs the AutoProposal made by resispec_auto.propose")
+        iid, distinct = self._branches()
+        mask = proposal.distinct_mask
+        token = torch.full((p.shape[0],), -1, dtype=torch.long, device=p.device)
+        slot = torch.full_like(token, -1)
+        for rule, part, rows in (
+            (distinct, proposal.distinct_part, mask.nonzero()[:, 0]),
+            (iid, proposal.iid_part, (~mask).nonzero()[:, 0]),
+        ):
+            if len(rows):
+                t, s = rule.verify(p[rows], part, generator)
+                token[rows], slot[rows] = t, s
+        return token, slot
+
+    def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        """[B]: the chosen branch's closed form, exact on every row. Raises NotImplementedError when a row is on a
+        distinct branch without one (gumbel, rsd; resispec_wor with n > 2): use `surrogate_acceptance` there."""
+        return self._acceptance(p, q, n, strict=True)
+
+    def surrogate_acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        """[B]: like `acceptance`, but rows on a distinct branch without a closed form get the i.i.d. branch's
+        closed form (what the node would accept had it drafted i.i.d.; module docstring). For training losses."""
+        return self._acceptance(p, q, n, strict=False)
+
+    def _acceptance(self, p: Tensor, q: Tensor, n: int, strict: bool) -> Tensor:
+        check_pair(p, q)
+        iid, distinct = self._branches()
+        alpha = iid.acceptance(p, q, check_draws(n))
+        mask = self.policy.distinct_rows(q, n)
+        if bool(mask.any()):
+            try:
+                alpha = torch.where(mask, distinct.acceptance(p, q, n), alpha)
+            except NotImplementedError:
+                if strict:
+                    raise NotImplementedError(
+                        f"resispec_auto: {int(mask.sum())} row(s) use {self.policy.distinct_rule!r}, which has no "
+                        "closed-form acceptance; estimate it by sampling verify(), or use surrogate_acceptance"
+                    ) from None
+        return alpha
+
+    def branch_names(self, q: Tensor, n: int) -> list[str]:
+        """The rule each row of q [B, V] would use (for reports)."""
+        mask = self.policy.distinct_rows(q, n)
+        return [self.policy.distinct_rule if m else self.policy.iid_rule for m in mask.tolist()]
+
+
+def configure_auto(policy: AutoPolicy) -> ResiSpecAutoRule:
+    """Give the registered resispec_auto a new policy (e.g. one calibrated by the headroom tool)."""
+    rule = _rules()["resispec_auto"]
+    rule.policy = policy
+    return rule
+
+
+def _register() -> None:
+    from resispec.verify import VERIFIERS, register
+
+    if "resispec_wor" not in VERIFIERS:
+        register(ResiSpecWORRule())
+    if "resispec_auto" not in VERIFIERS:
+        env = os.environ.get("RESISPEC_AUTO_POLICY")
+        register(ResiSpecAutoRule(AutoPolicy.load(env) if env else None))
+
+
+_register()

@@ -1,0 +1,162 @@
+"""ResiSpec shaping for DISTINCT draws (`resispec_wor`): the "Open problem" of DESIGN.md.
+
+Draws: n distinct tokens, sampled sequentially without replacement from q (Gumbel-top-n, in key order).
+Verification walks the draws in order. At draw i the state is a target residual p_i (a distribution) and
+the current draw distribution q_i (q without the earlier draws, renormalised); k = draws left, counting this one.
+
+Step with k >= 2 (shaped): accept x with probability clip(p_i(x) - lam * q_i(x), 0, q_i(x)) / q_i(x).
+`lam` >= 0 holds mass back ("late filling") where the draft already covers it. Accepted mass c, residual
+R = p_i - c, rejection mass r = q_i - c, with Σ R = Σ r. After rejecting x the residual MUST depend on x:
+x can never be drawn again, so mass left on it would be stranded. We split R over the rejected token with a
+transport matrix M [x, z] (row sums r, column sums R, zero on the diagonal where possible), chosen to overlap
+the next draw distribution K[x, z] = r(x) q_i(z) / (1 - q_i(x)) as much as possible:
+
+    s = r / (1 - q_i),  kappa(z) = q_i(z) * (Σ s - s(z))      # column sums of K
+    rho = min(1, R / kappa)                                   # scale each column of K down to fit R
+    M[x, z] = s(x) q_i(z) rho(z) [z != x]  +  d(x) e(z) / Σ e, e = (R - kappa)+, d = row deficit
+
+Column sums of M are exactly R (Σ d = Σ e), so the rule is exact for ANY lam: lam only moves mass between
+"accept now" and "accept later". Only the realised row M[x, :] is ever built (O(V) per draw).
+The last draw (k = 1) is the greedy rsd step: accept w.p. min(1, p_i / q_i), else sample norm((p_i - q_i)+).
+
+With n = 2 the acceptance has a closed form, α(lam) = Σ c + Σ min(R, kappa), and the overlap Σ min(R, kappa)
+is the best any residual can reach against the second draw, given c. lam is chosen per node (and per step)
+by maximising that two-step value on a grid that includes lam = 0; lam = 0 is rsd's first step with a better
+residual, so for n = 2 this rule is never below rsd. For n > 2 the same two-step criterion is used at every
+step (myopic); acceptance there has no closed form (Monte Carlo, like rsd and gumbel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from resispec.verify.base import (
+    Proposal,
+    Tensor,
+    check_draws,
+    check_pair,
+    first_slot,
+    sample_weights,
+    uniform,
+)
+from resispec.verify.topset import gumbel_top
+
+LAMBDA_GRID = torch.linspace(0.0, 1.0, 21, dtype=torch.float64)  # lam = 0 (rsd-like) is always a candidate
+_TINY = 1e-300
+
+
+def _parts(p: torch.Tensor, q: torch.Tensor, lam: torch.Tensor):
+    """Step quantities for target residual p, draw distribution q (both [..., V]) and lam [..., 1]."""
+    c = torch.minimum((p - lam * q).clamp(min=0.0), q)  # [..., V] mass accepted now
+    big_r = (p - c).clamp(min=0.0)  # [..., V] target mass left
+    r = (q - c).clamp(min=0.0)  # [..., V] rejection mass per drawn token
+    s = r / (1.0 - q).clamp(min=1e-12)  # [..., V]
+    kappa = q * (s.sum(-1, keepdim=True) - s)  # [..., V] next-draw mass at z after a rejection
+    return c, big_r, r, s, kappa
+
+
+def two_step_value(p: torch.Tensor, q: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """α of the two-draw shaped rule: Σ c + Σ min(R, kappa). p, q [B, V], lam [B, 1] -> [B]."""
+    c, big_r, _, _, kappa = _parts(p, q, lam)
+    return c.sum(-1) + torch.minimum(big_r, kappa).sum(-1)
+
+
+def choose_lambda(p: torch.Tensor, q: torch.Tensor, grid: torch.Tensor = LAMBDA_GRID) -> torch.Tensor:
+    """Per-row lam maximising the two-step value on `grid` (ties -> smallest lam). p, q [B, V] -> [B, 1]."""
+    best_v = torch.full(p.shape[:1], -1.0, dtype=p.dtype, device=p.device)  # [B]
+    best_l = torch.zeros(p.shape[:1], dtype=p.dtype, device=p.device)  # [B]
+    for lam in grid.tolist():  # a loop, not a [B, G, V] tensor: memory stays O(B V)
+        v = two_step_value(p, q, torch.full_like(best_v[:, None], lam))
+        better = v > best_v + 1e-12
+        best_v = torch.where(better, v, best_v)
+        best_l = torch.where(better, torch.full_like(best_l, lam), best_l)
+    return best_l[:, None]
+
+
+def residual_after_reject(
+    p: torch.Tensor, q: torch.Tensor, lam: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """Row M[x, :] / r(x): the target residual after the shaped step rejected draw x.
+    p, q [B, V], lam [B, 1], x [B] -> [B, V] (rows where x cannot be rejected return p unchanged)."""
+    _, big_r, r, s, kappa = _parts(p, q, lam)
+    rho = torch.where(kappa > 0, (big_r / kappa.clamp(min=_TINY)).clamp(max=1.0), torch.ones_like(big_r))
+    xi = x[:, None]  # [B, 1]
+    k_row = s.gather(-1, xi) * q * rho  # [B, V] the overlap part of the row
+    k_row = k_row.scatter(-1, xi, 0.0)
+    d = (r.gather(-1, xi) - k_row.sum(-1, keepdim=True)).clamp(min=0.0)  # [B, 1] row deficit
+    e = (big_r - kappa).clamp(min=0.0)  # [B, V] column deficit
+    row = k_row + d * e / e.sum(-1, keepdim=True).clamp(min=_TINY)  # [B, V]
+    total = row.sum(-1, keepdim=True)
+    return torch.where(total > 0, row / total.clamp(min=_TINY), p)
+
+
+class ResiSpecWORRule:
+    """Exact sequential verification of n distinct draws with residual shaping (module docstring)."""
+
+    name = "resispec_wor"
+    scheme = "distinct"
+
+    def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
+        tokens, noise = gumbel_top(q, check_draws(n), generator)  # [B, n] (-1 past q's support)
+        return Proposal(tokens=tokens, q=q, noise=noise)
+
+    @torch.no_grad()
+    def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
+        """p [B, V] -> token [B], slot [B] (first draw equal to the token, -1 if none)."""
+        check_pair(p, proposal.q)
+        draws = proposal.tokens  # [B, n]
+        bsz, n = draws.shape
+        pc = p.double() / p.double().sum(-1, keepdim=True)  # [B, V] float64: exactness rests on identities
+        qc = proposal.q.double()
+        qc = qc / qc.sum(-1, keepdim=True)
+        token = torch.full((bsz,), -1, dtype=torch.long, device=p.device)
+        active = torch.ones(bsz, dtype=torch.bool, device=p.device)
+        u_all = uniform((bsz, n), pc, generator)  # [B, n]
+        for i in range(n):
+            x = draws[:, i]
+            xi = x.clamp_min(0)[:, None]  # [B, 1]
+            qx = torch.where(x >= 0, qc.gather(-1, xi)[:, 0], torch.zeros_like(pc[:, 0]))
+            px = pc.gather(-1, xi)[:, 0]
+            left = torch.minimum(
+                torch.full_like(x, n - i), (qc > 0).sum(-1)
+            )  # real draws left, this one included
+            real = active & (qx > 0)  # an empty slot (past q's support) is no draw
+            shaped = real & (left >= 2)
+            lam = choose_lambda(pc, qc) if bool(shaped.any()) else torch.zeros_like(pc[:, :1])
+            lam = torch.where(shaped[:, None], lam, torch.zeros_like(lam))  # [B, 1]
+            safe_qx = torch.where(qx > 0, qx, torch.ones_like(qx))
+            a_shaped = (px - lam[:, 0] * qx).clamp(min=0.0).minimum(qx) / safe_qx
+            a_greedy = (px / safe_qx).clamp(max=1.0)
+            acc = real & (u_all[:, i] < torch.where(shaped, a_shaped, a_greedy))
+            token = torch.where(acc, x, token)
+            rej = real & ~acc
+            greedy_res = (pc - qc).clamp(min=0.0)
+            gsum = greedy_res.sum(-1, keepdim=True)
+            greedy_res = torch.where(gsum > 0, greedy_res / gsum.clamp(min=_TINY), pc)
+            new_p = torch.where(
+                shaped[:, None], residual_after_reject(pc, qc, lam, x.clamp_min(0)), greedy_res
+            )
+            pc = torch.where(rej[:, None], new_p, pc)
+            q_next = qc.scatter(-1, xi, 0.0)
+            qsum = q_next.sum(-1, keepdim=True)
+            q_next = torch.where(qsum > 0, q_next / qsum.clamp(min=_TINY), q_next)
+            qc = torch.where(rej[:, None], q_next, qc)
+            active = active & ~acc
+        fallback = sample_weights(pc.clamp(min=0.0), generator, p.double())
+        token = torch.where(active, fallback, token)
+        return token, first_slot(draws, token)
+
+    def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        """Closed form for n <= 2 (module docstring): p, q [B, V] -> [B], differentiable (lam is a constant).
+        Assumes q has at least n tokens of positive mass. No closed form for n > 2 (estimate by sampling)."""
+        check_pair(p, q)
+        if check_draws(n) == 1:
+            return torch.minimum(p, q).sum(-1)
+        if n != 2:
+            raise NotImplementedError(
+                "resispec_wor has a closed-form acceptance for n <= 2 only; sample verify()"
+            )
+        pd, qd = p.double(), q.double()
+        with torch.no_grad():
+            lam = choose_lambda(pd.detach(), qd.detach())
+        return two_step_value(pd, qd, lam).to(p.dtype)
