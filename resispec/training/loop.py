@@ -8,7 +8,6 @@ reproduces the uninterrupted run's loss curve.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -162,7 +161,11 @@ def distill(
     except ValueError as e:
         raise DistillConfigError(str(e)) from e
     on_cpu = target.device == "cpu" or not torch.cuda.is_available()
-    accelerator = Accelerator(cpu=on_cpu, mixed_precision=train.mixed_precision)
+    accelerator = Accelerator(
+        cpu=on_cpu,
+        mixed_precision=train.mixed_precision,
+        gradient_accumulation_steps=max(1, train.grad_accum),
+    )
     is_main = accelerator.is_main_process
     set_seed(train.seed)
 
@@ -276,8 +279,9 @@ def distill(
             },
         }
     log = RunLogger(accelerator, logger, run_dir, name, resolved_config, resume=train.resume)
+    # the wrapped model: under FSDP / ZeRO-3 only it can run a forward; every process evaluates the same data
     evaluate_now = lambda: evaluate(  # noqa: E731
-        target_model, accelerator.unwrap_model(draft_model), eval_seqs, decode, rules, show_progress=is_main
+        target_model, draft_model, eval_seqs, decode, rules, show_progress=is_main
     )
     if state.before is None:
         state.before = evaluate_now()
@@ -303,23 +307,24 @@ def distill(
             batch = {k: v.to(device) for k, v in packed[idx].items()}
             # logits at t predict token t + 1: drop the last position, shift the mask
             mask = batch["loss_mask"][:, 1:]  # [B, T-1]
-            sync = contextlib.nullcontext() if a == ga - 1 else accelerator.no_sync(draft_model)
-            with sync:
+            # accumulate(): no gradient sync and no optimizer step until the last micro-batch (DDP, FSDP and
+            # DeepSpeed alike); backward() divides by grad_accum
+            with accelerator.accumulate(draft_model):
                 logits = draft_model(
                     input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                ).logits
+                ).logits  # [B, T, V]
                 sig = cached_signal(batch) if use_cache else online_signal(target_model, batch)
                 sig.values = sig.values[:, :-1]
                 sig.ids = None if sig.ids is None else sig.ids[:, :-1]
                 value, stats = distill_loss(logits[:, :-1], sig, mask, loss, decode)
-                accelerator.backward(value / ga)
+                accelerator.backward(value)
+                if accelerator.sync_gradients and optim.grad_clip:
+                    accelerator.clip_grad_norm_(draft_model.parameters(), optim.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             step_loss += value.detach().float().item() / ga
             step_tokens += int(mask.sum())
-        if optim.grad_clip:
-            accelerator.clip_grad_norm_(draft_model.parameters(), optim.grad_clip)
-        optimizer.step()
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         state.step += 1
         ckpt.crash_hook("step", state.step)
 

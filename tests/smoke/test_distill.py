@@ -116,6 +116,7 @@ def test_lora_with_cached_targets_saves_adapter_and_merged_draft(pair, tmp_path)
         eval_positions=40,
         target_signal="cached",
         cached_top_k=8,
+        grad_accum=2,
     )
     cache = tmp_path / "cache"
     os.environ["RESISPEC_CACHE"] = str(cache)
