@@ -10,25 +10,41 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str = "resispec"  # the id /v1/models reports and requests must name
-    api_key: str | None = None  # or env RESISPEC_API_KEY; when set, requests need `Authorization: Bearer <key>`
-    max_queue: int = 64
-    max_tokens_default: int = 128
+    api_key: str | None = (
+        None  # or env RESISPEC_API_KEY; when set, requests need `Authorization: Bearer <key>`
+    )
+    max_queue: int = 64  # requests waiting for the decoding worker; more get 503
+    max_tokens_default: int = 128  # when a request gives no max_tokens (capped by the context left)
+    max_model_len: int | None = None  # context length; null = the smaller max_position_embeddings of the pair
     log_level: str = "info"
 
 
 @dataclass
 class BenchConfig:
     num_prompts: int = 8
-    warmup: int = 1
+    warmup: int = 1  # warm-up generations per method before timing (never timed)
     max_new_tokens: int = 64
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    rules: list[str] = field(default_factory=lambda: ["chain", "rrs", "kseq", "rsd", "hub", "gumbel",
-                                                      "onehot", "resispec", "resispec_auto"])
+    rules: list[str] = field(
+        default_factory=lambda: [
+            "chain",
+            "rrs",
+            "kseq",
+            "rsd",
+            "hub",
+            "gumbel",
+            "onehot",
+            "resispec",
+            "resispec_auto",
+        ]
+    )
     trees: list[list[int]] = field(default_factory=lambda: [[1, 1, 1, 1], [4, 2, 1, 1]])
     hf_assisted: bool = True
+    hf_num_assistant_tokens: list[int] | None = None  # chain lengths tried for HF; null = lengths of `trees`
     drafts: dict[str, str] = field(default_factory=dict)  # extra drafts to compare: label -> path
+    draft_label: str = "draft"  # label of the configured `draft` in the report
     server_url: str | None = None  # load-test a running server instead (localhost only)
     concurrency: int = 8
     num_requests: int = 32
     seed: int = 0
-    output_dir: str | None = None
+    output_dir: str | None = None  # default: the Hydra run folder
