@@ -1,0 +1,184 @@
+"""Shared pieces of the verification rules: the Proposal record, the rule Protocol, input checks, sampling.
+
+Conventions (every rule follows them, the decoder relies on them):
+- p, q: [B, V] probabilities after the SAME temperature / top-k / top-p processing; float32 or float64; any device.
+- proposal.tokens: [B, n] LongTensor in draw order. `-1` marks an EMPTY draw slot: a distinct scheme whose q has
+  fewer than n tokens of positive mass (its draws stop at the support), or `chain` (one draw) asked for n > 1.
+  The decoder must skip -1 (no child node).
+- i.i.d. schemes may repeat a token; repeated draws are ONE child node.
+- verify returns (token [B], slot [B]); slot is the index of the FIRST draw equal to the emitted token, or -1 when
+  the emitted token is not among the draws (rejection: the token is the correction token). With repeated i.i.d.
+  draws the draw that verification accepted can be a later copy of an earlier (rejected) draw of the same token;
+  slot still names the first copy, i.e. the merged child node. slot >= 0 <=> the emitted token is a child.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+Tensor = torch.Tensor
+SCHEMES = ("iid", "distinct", "deterministic")
+
+
+@dataclass
+class Proposal:
+    """The draws of a batch of nodes plus what their verification needs.
+
+    tokens: [B, n] draws in draw order (-1 = empty slot). q: [B, V] the draft distribution they came from.
+    draw_probs: [B, n] (rsd) probability of each draw under the draw-time conditional q_i (q without the
+        earlier draws, renormalised); 0 for empty slots.
+    noise: [B, V] (gumbel, rsd) the Gumbel noise G of the draws; gumbel reuses it to emit argmax(log p + G).
+    top_ids: [B, n - 1] (hub) the fixed top set of q (-1 = empty).
+    """
+
+    tokens: Tensor  # [B, n] long
+    q: Tensor  # [B, V]
+    draw_probs: Tensor | None = None  # [B, n]
+    noise: Tensor | None = None  # [B, V]
+    top_ids: Tensor | None = None  # [B, n - 1]
+
+    @property
+    def num_draws(self) -> int:
+        return self.tokens.shape[-1]
+
+
+@runtime_checkable
+class VerificationRule(Protocol):
+    """What the decoder, the losses and the benchmarks use. `scheme`: "iid" | "distinct" | "deterministic"."""
+
+    name: str
+    scheme: str
+
+    def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal: ...
+
+    def verify(
+        self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor: ...
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def check_draws(n: int) -> int:
+    """n must be a positive int (the number of draws of a node)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of draws n must be an int >= 1, got {n!r}")
+    return n
+
+
+def check_pair(p: Tensor, q: Tensor) -> None:
+    """p and q: same shape [B, V], floating, same dtype and device."""
+    if p.dim() != 2 or p.shape != q.shape:
+        raise ValueError(f"p and q must both be [B, V]; got {tuple(p.shape)} and {tuple(q.shape)}")
+    if not p.is_floating_point() or p.dtype != q.dtype or p.device != q.device:
+        raise ValueError(
+            f"p and q must share a floating dtype and device; got {p.dtype}/{p.device}, {q.dtype}/{q.device}"
+        )
+
+
+def check_dist(x: Tensor, what: str) -> None:
+    """x [B, V]: floating, at least one positive entry per row (rows need not be normalised exactly)."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(
+            f"{what} must be a floating [B, V] tensor of probabilities, got {x.dtype} {tuple(x.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- randomness
+
+
+def uniform(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """U[0, 1) of `like`'s dtype and device."""
+    return torch.rand(shape, generator=generator, device=like.device, dtype=like.dtype)
+
+
+def gumbel_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Standard Gumbel noise of `like`'s shape: G = -log(E), E ~ Exp(1) (E is clamped away from 0)."""
+    e = torch.empty_like(like).exponential_(generator=generator)
+    return -torch.log(e.clamp_min(torch.finfo(like.dtype).tiny))
+
+
+def sample_rows(weights: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
+    """k i.i.d. tokens per row from unnormalised weights [B, V] (each row with positive total) -> [B, k].
+
+    Inverse CDF: one cumsum and a binary search (torch.multinomial is far slower for many short rows). A
+    zero-weight token has an empty CDF interval, so it is never drawn; the clamp to the last positive token
+    only catches u rounding up to the total."""
+    cdf = torch.cumsum(weights, -1)  # [B, V]
+    total = cdf[:, -1:].contiguous()  # [B, 1]
+    u = uniform((weights.shape[0], k), weights, generator) * total  # [B, k]
+    idx = torch.searchsorted(cdf, u, right=True)
+    last = torch.searchsorted(cdf, total, right=False)  # first index reaching the total: a positive weight
+    return torch.minimum(idx, last)
+
+
+def sample_weights(weights: Tensor, generator: torch.Generator | None, fallback: Tensor) -> Tensor:
+    """One token per row from unnormalised weights [B, V] -> [B].
+
+    A row whose weights are all 0 can only be reached through float rounding (it would have been accepted with
+    probability 1 in exact arithmetic); it samples from `fallback` [B, V] instead of failing."""
+    total = weights.sum(-1, keepdim=True)  # [B, 1]
+    return sample_rows(torch.where(total > 0, weights, fallback), 1, generator)[:, 0]
+
+
+def draw_iid(q: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
+    """n i.i.d. draws from q [B, V] -> [B, n]."""
+    return sample_rows(q, n, generator)
+
+
+def top_distinct(keys: Tensor, support: Tensor, n: int) -> Tensor:
+    """The n largest `keys` [B, V] among `support` [B, V] (bool), in decreasing key order -> [B, n];
+    slots past the support are -1 (and n > V is allowed)."""
+    k = min(n, keys.shape[-1])
+    masked = keys.masked_fill(~support, float("-inf"))
+    vals, idx = masked.topk(k, dim=-1)  # [B, k]
+    idx = torch.where(vals > float("-inf"), idx, torch.full_like(idx, -1))
+    if k < n:
+        idx = torch.cat([idx, idx.new_full((idx.shape[0], n - k), -1)], dim=-1)
+    return idx
+
+
+def top_set(q: Tensor, k: int) -> Tensor:
+    """The k largest entries of q [B, V], ties broken toward the LOWEST index (so the set is deterministic and
+    may include q = 0 tokens when q has fewer than k positive entries) -> ids [B, k]; -1 pads k > V."""
+    vocab = q.shape[-1]
+    kk = min(k, vocab)
+    if kk == 0:
+        return q.new_full((q.shape[0], k), -1, dtype=torch.long)
+    thr = q.topk(kk, dim=-1).values[:, -1:]  # [B, 1] the k-th largest value
+    above = q > thr
+    tied = q == thr
+    need = kk - above.sum(-1, keepdim=True)
+    pick = above | (tied & (torch.cumsum(tied.to(torch.int32), -1) <= need))  # exactly kk per row
+    keys = torch.where(pick, q, torch.full_like(q, float("-inf")))
+    ids = keys.topk(kk, dim=-1).indices  # the picked set, in decreasing q
+    if kk < k:
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], k - kk), -1)], dim=-1)
+    return ids
+
+
+def gather_at(x: Tensor, ids: Tensor) -> Tensor:
+    """x [B, V] at ids [B, k] (-1 allowed: gives 0) -> [B, k]."""
+    vals = x.gather(-1, ids.clamp_min(0))
+    return torch.where(ids >= 0, vals, torch.zeros_like(vals))
+
+
+def id_mask(ids: Tensor, vocab: int) -> Tensor:
+    """Bool membership mask [B, V] of ids [B, k] (-1 entries ignored)."""
+    mask = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool, device=ids.device)
+    mask.scatter_(-1, torch.where(ids >= 0, ids, torch.full_like(ids, vocab)), True)
+    return mask[:, :vocab]
+
+
+def first_slot(tokens: Tensor, token: Tensor) -> Tensor:
+    """Index of the first draw equal to `token`, -1 if none. tokens [B, n], token [B] -> [B]."""
+    hit = tokens == token[:, None]  # [B, n]
+    n = tokens.shape[-1]
+    idx = torch.arange(n, device=tokens.device).expand_as(tokens)
+    first = torch.where(hit, idx, torch.full_like(idx, n)).min(-1).values
+    return torch.where(first < n, first, torch.full_like(first, -1))

@@ -1,0 +1,347 @@
+"""The i.i.d. sequential rules: chain, rrs (SpecInfer), kseq (SpecTr K-SEQ) and resispec (DESIGN.md).
+
+All four are instances of ONE sequential scheme (DESIGN.md "The ResiSpec rule for i.i.d. draws"). Write
+everything per unit of q: with w = p/q, draw i accepts x with probability c_i(w(x)) / mu_i, where
+- m_i = p - q * L_i(w) is the remaining target mass, L_i = sum_{j<i} c_j, and mu_i = sum m_i,
+- the plan keeps 0 <= c_i <= mu_i and L_i + c_i <= w (so c_i q <= m_i),
+- the LAST draw is always greedy, c_n = min(mu_n, w - L_n), and if it rejects too the token is sampled from
+  m_{n+1} = (m_n - mu_n q)+ (unnormalised).
+By telescoping the emitted token is distributed exactly as p, whatever the plan, and acceptance = 1 - mu_{n+1}.
+A plan is therefore only a choice of caps; a badly solved T* or rho* costs acceptance, never exactness.
+
+Plans (c_i for the draws before the last):
+- greedy (rrs, chain): stacked windows from the bottom, c_i = |[M_i, M_i + mu_i] cap [0, w]|, M_i = sum_{j<i} mu_j.
+  Then m_{i+1} = (m_i - mu_i q)+, the SpecInfer residual.
+- shaped (resispec): the same windows stacked DOWN from T ("late filling"): S_1 = T,
+  S_{i+1} = max(S_i - mu_i, 0), c_i = |[S_{i+1}, S_i] cap [0, min(w, T)]|. The windows are disjoint and have
+  width <= mu_i, so the two cap conditions hold for ANY T (the run-time guard of DESIGN.md, by construction).
+  At T = T* they are DESIGN.md's c_i, S_{n+1} = 0, and acceptance = sum min(p, T* q).
+- scaled (kseq): c_i = nu_i min(1, w / rho) with nu_i = min(mu_i, rho - sum_{j<i} nu_j)+ (nu_i = mu_i at rho*),
+  i.e. accept with probability min(1, p / (rho q)) as in SpecTr; acceptance = sum min(p, rho* q).
+Only the caps at the DRAWN tokens ([B, n] gathers) and mu_i ([B], from the ratio profile or one O(V) sum) are
+needed per draw; the full [B, V] residual is built once, for the rejection sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from resispec.verify.base import (
+    Proposal,
+    Tensor,
+    check_draws,
+    check_pair,
+    draw_iid,
+    first_slot,
+    sample_weights,
+    uniform,
+)
+from resispec.verify.profile import RatioProfile
+
+
+def bisection_steps(dtype: torch.dtype) -> int:
+    """Halvings of [1, n] for T* / rho*: to ~(n - 1) 2^-44 in float64, ~(n - 1) 2^-26 otherwise (float32 noise).
+    d alpha / dT <= 1, so this is also the error in alpha; exactness never depends on it."""
+    return 44 if dtype == torch.float64 else 26
+
+
+# ---------------------------------------------------------------------------------------------- shared formulas
+
+
+def capped_mass(p: Tensor, q: Tensor, t: Tensor) -> Tensor:
+    """sum_x min(p, t q) per row: the closed-form acceptance of kseq (t = rho*) and resispec (t = T*).
+    p, q [B, V], t [B] (a constant for autograd) -> [B]. Differentiable in p and q, no division."""
+    return torch.minimum(p, t[:, None] * q).sum(-1)
+
+
+def greedy_step(m: Tensor, mu: Tensor, q: Tensor) -> Tensor:
+    """The SpecInfer/rsd residual update m_{i+1} = (m_i - mu_i q)+ (unnormalised). m, q [B, V], mu [B] -> [B, V].
+    Accepting x with probability min(1, m(x) / (mu q(x))) takes min(m, mu q) of the mass."""
+    return (m - mu[:, None] * q).clamp_min(0)
+
+
+def greedy_masses(p: Tensor, q: Tensor, n: int) -> Tensor:
+    """mu_1..mu_{n+1} [B, n + 1] of n greedy (rrs) draws from q: mu_{i+1} = sum (m_i - mu_i q)+.
+    Differentiable; rrs acceptance is mu_1 - mu_{n+1} = 1 - prod(1 - beta_i)."""
+    m = p
+    mus = [p.sum(-1)]
+    for _ in range(n):
+        m = greedy_step(m, mus[-1], q)
+        mus.append(m.sum(-1))
+    return torch.stack(mus, -1)
+
+
+# ---------------------------------------------------------------------------------------------- solvers
+
+
+def _resispec_g(profile: RatioProfile, total: Tensor, t: Tensor, n: int) -> Tensor:
+    """DESIGN.md's g(T) = T - sum_i mu_i for the late-filling plan, batched: t [B] -> [B]."""
+    mu, s = total.clone(), t.clone()
+    for _ in range(n):
+        s_next = s - mu
+        lo = s_next.clamp_min(0)  # planned sum of the caps still to come
+        hi = torch.minimum(t, lo + mu)
+        f = profile.capped_mass(torch.stack([hi, lo], -1))  # [B, 2]
+        mu = mu - torch.where(lo < t, f[:, 0] - f[:, 1], torch.zeros_like(mu))
+        s = s_next
+    return s
+
+
+@torch.no_grad()
+def solve_resispec_T(
+    p: Tensor, q: Tensor, n: int, profile: RatioProfile | None = None, steps: int | None = None
+) -> Tensor:
+    """T* in [1, n] with g(T*) = 0, by bisection on the ratio profile (O(n log V) per step). p, q [B, V] -> [B].
+    Returns the upper end of the final bracket (g >= 0). float64 on CPU, else q's dtype."""
+    check_pair(p, q)
+    check_draws(n)
+    profile = profile or RatioProfile.build(p, q)
+    acc = profile.p_prefix.dtype
+    total = profile.p_prefix[:, -1].to(acc)  # sum p (1 up to rounding)
+    lo = torch.ones_like(total)
+    hi = torch.full_like(total, float(n))
+    for _ in range((bisection_steps(p.dtype) if steps is None else steps) if n > 1 else 0):
+        mid = 0.5 * (lo + hi)
+        neg = _resispec_g(profile, total, mid, n) < 0
+        lo, hi = torch.where(neg, mid, lo), torch.where(neg, hi, mid)
+    return hi.to(p.dtype)
+
+
+def _kseq_h(profile: RatioProfile, total: Tensor, rho: Tensor, n: int) -> Tensor:
+    """SpecTr's condition: h(rho) = (1 - (1 - beta)^n) - F(rho) with beta = F(rho) / rho; zero at rho*."""
+    f = profile.capped_mass(rho)
+    beta = (f / rho).clamp(0, 1)
+    return total * (1 - (1 - beta) ** n) - f
+
+
+@torch.no_grad()
+def solve_kseq_rho(
+    p: Tensor, q: Tensor, n: int, profile: RatioProfile | None = None, steps: int | None = None
+) -> Tensor:
+    """rho* in [1, n] of SpecTr K-SEQ (h(1) >= 0 >= h(n)), by bisection on the ratio profile. p, q [B, V] -> [B]."""
+    check_pair(p, q)
+    check_draws(n)
+    profile = profile or RatioProfile.build(p, q)
+    total = profile.p_prefix[:, -1]
+    lo = torch.ones_like(total)
+    hi = torch.full_like(total, float(n))
+    for _ in range((bisection_steps(p.dtype) if steps is None else steps) if n > 1 else 0):
+        mid = 0.5 * (lo + hi)
+        pos = _kseq_h(profile, total, mid, n) > 0
+        lo, hi = torch.where(pos, mid, lo), torch.where(pos, hi, mid)
+    return hi.to(p.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- plans
+
+
+@dataclass
+class WindowPlan:
+    """Caps c_i(w) = |[lo_i, hi_i] cap [0, w]| for the first n - 1 draws; windows disjoint, inside [bottom, top].
+
+    mu: [B, n] remaining mass before each draw. lo, hi: [B, n - 1]. bottom, top: [B]."""
+
+    mu: Tensor
+    lo: Tensor
+    hi: Tensor
+    bottom: Tensor
+    top: Tensor
+
+    def cap(self, i: int, w: Tensor) -> Tensor:
+        """c_i at the drawn ratio w [B] -> [B]."""
+        return (torch.minimum(w, self.hi[:, i]) - self.lo[:, i]).clamp_min(0)
+
+    def used(self, w: Tensor) -> Tensor:
+        """L_n(w) = sum of the caps before the last draw, at w [B] -> [B]."""
+        return (torch.minimum(w, self.top) - self.bottom).clamp_min(0)
+
+    def used_mass(self, p: Tensor, q: Tensor) -> Tensor:
+        """q * L_n(w) over the vocabulary, [B, V] (no division by q)."""
+        return (torch.minimum(p, self.top[:, None] * q) - self.bottom[:, None] * q).clamp_min(0)
+
+
+@dataclass
+class ScaledPlan:
+    """kseq caps c_i(w) = nu_i min(1, w / rho). mu: [B, n], nu: [B, n - 1], rho: [B]."""
+
+    mu: Tensor
+    nu: Tensor
+    rho: Tensor
+
+    def cap(self, i: int, w: Tensor) -> Tensor:
+        return self.nu[:, i] * torch.clamp(w / self.rho, max=1)
+
+    def used(self, w: Tensor) -> Tensor:
+        return self.nu.sum(-1) * torch.clamp(w / self.rho, max=1)
+
+    def used_mass(self, p: Tensor, q: Tensor) -> Tensor:
+        return (self.nu.sum(-1) / self.rho)[:, None] * torch.minimum(p, self.rho[:, None] * q)
+
+
+def greedy_plan(p: Tensor, q: Tensor, n: int) -> WindowPlan:
+    """rrs: windows [M_i, M_i + mu_i] from the bottom; mu from the same recursion as rrs's acceptance."""
+    mu = greedy_masses(p, q, n)[:, :n]  # [B, n]
+    levels = torch.cumsum(mu, -1)  # M_{i+1}
+    zero = torch.zeros_like(mu[:, :1])
+    lo = torch.cat([zero, levels[:, :-1]], -1)[:, : n - 1]
+    return WindowPlan(
+        mu=mu, lo=lo, hi=levels[:, : n - 1], bottom=zero[:, 0], top=levels[:, n - 2] if n > 1 else zero[:, 0]
+    )
+
+
+def shaped_plan(p: Tensor, q: Tensor, n: int, t: Tensor, profile: RatioProfile) -> WindowPlan:
+    """resispec: late-filling windows stacked down from T, with the ACTUAL mu_i (from the profile)."""
+    acc = profile.p_prefix.dtype
+    t = t.to(acc)
+    total = profile.p_prefix[:, -1]
+    f_top = profile.capped_mass(t)
+    mus, los, his = [total], [], []
+    s = t
+    for _ in range(n - 1):
+        s_next = (s - mus[-1]).clamp_min(0)
+        los.append(s_next)
+        his.append(s)
+        mus.append(total - (f_top - profile.capped_mass(s_next)))
+        s = s_next
+    dt = p.dtype
+    stack = lambda xs: torch.stack(xs, -1).to(dt) if xs else torch.zeros_like(p[:, :0])  # noqa: E731
+    return WindowPlan(mu=stack(mus), lo=stack(los), hi=stack(his), bottom=s.to(dt), top=t.to(dt))
+
+
+def scaled_plan(p: Tensor, q: Tensor, n: int, rho: Tensor) -> ScaledPlan:
+    """kseq: nu_i = min(mu_i, rho - sum_{j<i} nu_j)+, mu_{i+1} = mu_i - nu_i beta, beta = F(rho) / rho."""
+    total = p.sum(-1)
+    beta = capped_mass(p, q, rho) / rho
+    mus, nus = [total], []
+    used = torch.zeros_like(total)
+    for _ in range(n - 1):
+        nu = torch.minimum(mus[-1], rho - used).clamp_min(0)
+        nus.append(nu)
+        used = used + nu
+        mus.append(mus[-1] - nu * beta)
+    nu_t = torch.stack(nus, -1) if nus else torch.zeros_like(p[:, :0])
+    return ScaledPlan(mu=torch.stack(mus, -1), nu=nu_t, rho=rho)
+
+
+@torch.no_grad()
+def verify_sequential(
+    p: Tensor, proposal: Proposal, plan, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """Run a plan on the draws (module docstring). p [B, V] -> token [B], slot [B]."""
+    tokens, q = proposal.tokens, proposal.q  # [B, n], [B, V]
+    n = tokens.shape[-1]
+    valid = tokens >= 0
+    ids = tokens.clamp_min(0)
+    px, qx = p.gather(-1, ids), q.gather(-1, ids)  # [B, n]
+    w = torch.where(qx > 0, px / torch.where(qx > 0, qx, torch.ones_like(qx)), torch.zeros_like(qx))
+    u = uniform(tuple(tokens.shape), p, generator)  # [B, n]
+    mu = plan.mu  # [B, n]
+    accepted = torch.zeros_like(valid[:, 0])
+    token = torch.full_like(tokens[:, 0], -1)
+    last = n - 1
+    for i in range(n):
+        if i < last:
+            c = plan.cap(i, w[:, i])
+        else:  # greedy last draw: take all that is left of x, up to mu_n
+            c = torch.minimum(mu[:, i], w[:, i] - plan.used(w[:, i]))
+        ok = valid[:, i] & (u[:, i] * mu[:, i] < c) & ~accepted
+        token = torch.where(ok, tokens[:, i], token)
+        accepted = accepted | ok
+    residual = (p - plan.used_mass(p, q) - mu[:, last, None] * q).clamp_min(0)  # m_{n+1} [B, V]
+    fallback = sample_weights(residual, generator, p)
+    token = torch.where(accepted, token, fallback)
+    return token, first_slot(tokens, token)
+
+
+# ---------------------------------------------------------------------------------------------- rules
+
+
+class _IidRule:
+    scheme = "iid"
+    name = ""
+
+    def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
+        """n i.i.d. draws from q [B, V] -> Proposal(tokens [B, n])."""
+        check_draws(n)
+        return Proposal(tokens=draw_iid(q, n, generator), q=q)
+
+    def __repr__(self) -> str:
+        return f"<verification rule {self.name!r} ({self.scheme})>"
+
+
+class ChainRule(_IidRule):
+    """One sampled draft (standard speculative sampling). Asked for n > 1 it still draws ONE token and pads the
+    other slots with -1 (empty), so its acceptance is sum min(p, q) for every n."""
+
+    name = "chain"
+
+    def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
+        check_draws(n)
+        tokens = draw_iid(q, 1, generator)
+        pad = tokens.new_full((tokens.shape[0], n - 1), -1)
+        return Proposal(tokens=torch.cat([tokens, pad], -1), q=q)
+
+    def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
+        check_pair(p, proposal.q)
+        first = Proposal(tokens=proposal.tokens[:, :1], q=proposal.q)
+        token, _ = verify_sequential(p, first, greedy_plan(p, proposal.q, 1), generator)
+        return token, first_slot(proposal.tokens, token)
+
+    def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        check_pair(p, q)
+        check_draws(n)
+        m = greedy_masses(p, q, 1)
+        return m[:, 0] - m[:, 1]
+
+
+class RrsRule(_IidRule):
+    """SpecInfer recursive rejection sampling of n i.i.d. draws."""
+
+    name = "rrs"
+
+    def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
+        check_pair(p, proposal.q)
+        plan = greedy_plan(p, proposal.q, proposal.num_draws)
+        return verify_sequential(p, proposal, plan, generator)
+
+    def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        check_pair(p, q)
+        m = greedy_masses(p, q, check_draws(n))
+        return m[:, 0] - m[:, -1]
+
+
+class KseqRule(_IidRule):
+    """SpecTr K-SEQ: accept w.p. min(1, p / (rho* q)); residual norm((p - rho* q)+)."""
+
+    name = "kseq"
+
+    def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
+        check_pair(p, proposal.q)
+        n = proposal.num_draws
+        rho = solve_kseq_rho(p, proposal.q, n)
+        return verify_sequential(p, proposal, scaled_plan(p, proposal.q, n, rho), generator)
+
+    def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        check_pair(p, q)
+        rho = solve_kseq_rho(p, q, check_draws(n))  # no_grad: a constant for the gradient
+        return capped_mass(p, q, rho)
+
+
+class ResiSpecRule(_IidRule):
+    """Optimal sequential residual shaping of n i.i.d. draws (DESIGN.md): alpha = sum min(p, T* q)."""
+
+    name = "resispec"
+
+    def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
+        check_pair(p, proposal.q)
+        n = proposal.num_draws
+        profile = RatioProfile.build(p, proposal.q)
+        t = solve_resispec_T(p, proposal.q, n, profile)
+        return verify_sequential(p, proposal, shaped_plan(p, proposal.q, n, t, profile), generator)
+
+    def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        check_pair(p, q)
+        t = solve_resispec_T(p, q, check_draws(n))  # no_grad: a constant for the gradient
+        return capped_mass(p, q, t)
