@@ -1,0 +1,480 @@
+"""The end-to-end benchmark: AR vs each rule x tree shape (per draft), and HF assisted generation, same prompts.
+
+Every method runs on the same held-out prompts with the same per-prompt seeds, after untimed warm-up. A row reports
+tokens/s (generated tokens / wall-clock seconds summed over prompts), tau, per-depth acceptance, c (mean draft
+forward time / mean target forward time) and the speedup over the AR row of the same temperature and run.
+
+`run_bench(...)` (typed configs, used by `serve/bench.py` and the pipeline) loads what it needs and returns the
+rows; `bench_pair(...)` measures already-loaded models; `write_report(...)` writes report.md, report.json and
+speedup.png.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from resispec.decoding.config import DecodeConfig
+from resispec.serving.config import BenchConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchRow:
+    """One measured method at one temperature."""
+
+    method: str  # ar | spec | hf_assisted
+    temperature: float
+    draft: str = "-"  # draft label ("-" for AR)
+    rule: str = "-"  # verification rule (spec rows)
+    tree: str = "-"  # branching per depth, e.g. "[4,2,1,1]"; HF rows: "chain k"
+    num_prompts: int = 0
+    num_tokens: int = 0  # generated tokens, all prompts
+    seconds: float = 0.0  # wall-clock, all prompts
+    tokens_per_second: float = 0.0
+    tau: float | None = None  # tokens per target verify forward (bonus included); AR = 1
+    per_depth_acceptance: list[float] | None = None
+    c: float | None = None  # draft forward time / target forward time
+    speedup: float | None = None  # tokens/s over the AR row of the same temperature
+    stats: dict[str, Any] = field(default_factory=dict)  # summed decoder counters
+
+    @property
+    def label(self) -> str:
+        if self.method == "ar":
+            return "AR"
+        if self.method == "hf_assisted":
+            return f"HF assisted {self.tree} ({self.draft})"
+        return f"{self.rule} {self.tree} ({self.draft})"
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def _tree_str(tree: list[int]) -> str:
+    return "[" + ",".join(str(b) for b in tree) + "]"
+
+
+def _sum_stats(stats_list: list) -> Any:
+    """Sum DecodeStats counters over prompts (list fields element-wise); properties then give tau, c, ..."""
+    from resispec.decoding import DecodeStats
+
+    total = DecodeStats()
+    for s in stats_list:
+        for f in fields(DecodeStats):
+            a, b = getattr(total, f.name), getattr(s, f.name)
+            if isinstance(b, list):
+                n = max(len(a), len(b))
+                a, b = a + [0] * (n - len(a)), b + [0] * (n - len(b))
+                setattr(total, f.name, [x + y for x, y in zip(a, b, strict=True)])
+            else:
+                setattr(total, f.name, a + b)
+    return total
+
+
+def _seeded(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _time_decoder(fn, prompts: list[list[int]], device, bench: BenchConfig, sampling: dict) -> tuple:
+    """Warm up, then run `fn(ids, generator=..., **sampling)` over all prompts; returns (tokens, seconds, stats)."""
+    for w in range(bench.warmup):
+        ids = torch.tensor([prompts[w % len(prompts)]], device=device)
+        fn(ids, generator=_seeded(bench.seed + 10_000 + w, device), **{**sampling, "max_new_tokens": 8})
+    tokens, seconds, stats = 0, 0.0, []
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p], device=device)  # [1, L]
+        gen = _seeded(bench.seed + i, device)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn(ids, generator=gen, **sampling)
+        _sync(device)
+        seconds += time.perf_counter() - t0
+        tokens += out.sequences.shape[1] - len(p)
+        stats.append(out.stats)
+    return tokens, seconds, _sum_stats(stats)
+
+
+def _time_hf(target, draft, prompts, device, bench: BenchConfig, sampling: dict, k: int, pad_id) -> tuple:
+    """HF `generate(assistant_model=draft)` with a constant chain of k draft tokens."""
+    temperature = sampling["temperature"]
+    kwargs: dict[str, Any] = dict(
+        assistant_model=draft,
+        num_assistant_tokens=k,
+        num_assistant_tokens_schedule="constant",
+        do_sample=temperature > 0,
+        pad_token_id=pad_id,
+    )
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_p=sampling["top_p"], top_k=sampling["top_k"])
+    eos = sampling.get("eos_token_id")
+
+    def run(p: list[int], max_new_tokens: int, seed: int) -> int:
+        torch.manual_seed(seed)
+        ids = torch.tensor([p], device=device)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            **kwargs,
+        )
+        return out.shape[1] - len(p)
+
+    for w in range(bench.warmup):
+        run(prompts[w % len(prompts)], 8, bench.seed + 10_000 + w)
+    tokens, seconds = 0, 0.0
+    for i, p in enumerate(prompts):
+        _sync(device)
+        t0 = time.perf_counter()
+        tokens += run(p, sampling["max_new_tokens"], bench.seed + i)
+        _sync(device)
+        seconds += time.perf_counter() - t0
+    return tokens, seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_chain_lengths(bench: BenchConfig) -> list[int]:
+    """Chain lengths tried for HF assisted generation (the best is the fair peer)."""
+    if bench.hf_num_assistant_tokens:
+        return sorted(set(bench.hf_num_assistant_tokens))
+    return sorted({len(t) for t in bench.trees})
+
+
+def count_runs(bench: BenchConfig, num_drafts: int) -> int:
+    per_temp = 1 + num_drafts * len(bench.rules) * len(bench.trees)
+    if bench.hf_assisted:
+        per_temp += num_drafts * len(hf_chain_lengths(bench))
+    return per_temp * len(bench.temperatures)
+
+
+def bench_pair(
+    target,
+    drafts: dict[str, Any],
+    tokenizer,
+    prompts: list[list[int]],
+    bench: BenchConfig,
+    decode: DecodeConfig,
+    progress: bool = True,
+) -> list[BenchRow]:
+    """Measure AR, every (draft, rule, tree) and HF assisted generation on `prompts` at each temperature."""
+    from tqdm.auto import tqdm
+
+    from resispec.decoding import SpeculativeDecoder
+
+    if not prompts:
+        raise ValueError("bench needs at least one prompt")
+    device = next(target.parameters()).device
+    eos = getattr(target.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    first_draft = next(iter(drafts.values()))
+    bar = tqdm(total=count_runs(bench, len(drafts)), desc="bench", disable=not progress, unit="run")
+    rows: list[BenchRow] = []
+    for temperature in bench.temperatures:
+        sampling = dict(
+            max_new_tokens=bench.max_new_tokens,
+            temperature=temperature,
+            top_p=decode.top_p,
+            top_k=decode.top_k,
+            eos_token_id=eos,
+        )
+        bar.set_postfix_str(f"T={temperature} AR")
+        ar_dec = SpeculativeDecoder(
+            target,
+            first_draft,
+            rule=bench.rules[0] if bench.rules else "chain",
+            tree=[1],
+            tokenizer=tokenizer,
+        )
+        tokens, seconds, stats = _time_decoder(
+            ar_dec.generate_autoregressive, prompts, device, bench, sampling
+        )
+        ar = BenchRow(
+            "ar",
+            temperature,
+            num_prompts=len(prompts),
+            num_tokens=tokens,
+            seconds=seconds,
+            tokens_per_second=tokens / seconds,
+            tau=1.0,
+            speedup=1.0,
+            stats=stats.as_dict(),
+        )
+        rows.append(ar)
+        bar.update()
+        for label, draft in drafts.items():
+            for rule in bench.rules:
+                for tree in bench.trees:
+                    bar.set_postfix_str(f"T={temperature} {label} {rule} {_tree_str(tree)}")
+                    dec = SpeculativeDecoder(
+                        target, draft, rule=rule, tree=tree, tokenizer=tokenizer, compile=decode.compile
+                    )
+                    tokens, seconds, stats = _time_decoder(dec.generate, prompts, device, bench, sampling)
+                    tps = tokens / seconds
+                    rows.append(
+                        BenchRow(
+                            "spec",
+                            temperature,
+                            draft=label,
+                            rule=rule,
+                            tree=_tree_str(tree),
+                            num_prompts=len(prompts),
+                            num_tokens=tokens,
+                            seconds=seconds,
+                            tokens_per_second=tps,
+                            tau=stats.tau,
+                            per_depth_acceptance=stats.per_depth_acceptance,
+                            c=stats.c,
+                            speedup=tps / ar.tokens_per_second,
+                            stats=stats.as_dict(),
+                        )
+                    )
+                    bar.update()
+            if bench.hf_assisted:
+                for k in hf_chain_lengths(bench):
+                    bar.set_postfix_str(f"T={temperature} {label} HF chain {k}")
+                    tokens, seconds = _time_hf(
+                        target, draft, prompts, device, bench, sampling, k, tokenizer.pad_token_id
+                    )
+                    tps = tokens / seconds
+                    rows.append(
+                        BenchRow(
+                            "hf_assisted",
+                            temperature,
+                            draft=label,
+                            rule="hf",
+                            tree=f"chain {k}",
+                            num_prompts=len(prompts),
+                            num_tokens=tokens,
+                            seconds=seconds,
+                            tokens_per_second=tps,
+                            speedup=tps / ar.tokens_per_second,
+                        )
+                    )
+                    bar.update()
+    bar.close()
+    return rows
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table_rows(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
+    header = ["T", "method", "draft", "rule", "tree", "tok/s", "tau", "per-depth acceptance", "c", "speedup"]
+    body = []
+    for r in rows:
+        depth = "-" if not r.per_depth_acceptance else " ".join(f"{a:.2f}" for a in r.per_depth_acceptance)
+        body.append(
+            [
+                f"{r.temperature:g}",
+                r.method,
+                r.draft,
+                r.rule,
+                r.tree,
+                _fmt(r.tokens_per_second, 1),
+                _fmt(r.tau),
+                depth,
+                _fmt(r.c, 3),
+                _fmt(r.speedup),
+            ]
+        )
+    return header, body
+
+
+def markdown_table(rows: list[BenchRow]) -> str:
+    header, body = table_rows(rows)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines)
+
+
+def print_table(rows: list[BenchRow], title: str = "resispec bench") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    header, body = table_rows(rows)
+    table = Table(title=title)
+    for h in header:
+        table.add_column(h, justify="left" if h in ("method", "draft", "rule", "tree") else "right")
+    best = {}
+    for r in rows:
+        if r.speedup is not None and r.speedup > best.get(r.temperature, 0.0):
+            best[r.temperature] = r.speedup
+    for r, cells in zip(rows, body, strict=True):
+        table.add_row(
+            *cells, style="bold green" if r.speedup == best.get(r.temperature) and r.method != "ar" else None
+        )
+    Console(width=max(Console().width, 150)).print(table)  # a pipe gets 80 columns otherwise
+
+
+def plot_speedup(rows: list[BenchRow], path: Path) -> None:
+    """Horizontal bars: speedup of every non-AR method, one colour per temperature; a line at 1 (= AR)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r.temperature for r in rows})
+    labels = list(dict.fromkeys(r.label for r in rows if r.method != "ar"))
+    value = {(r.label, r.temperature): r.speedup or 0.0 for r in rows}
+    height = 0.8 / max(len(temps), 1)
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.35 * len(labels) * max(len(temps), 1)))
+    for j, t in enumerate(temps):
+        ys = [i + j * height for i in range(len(labels))]
+        ax.barh(ys, [value.get((lbl, t), 0.0) for lbl in labels], height=height, label=f"T={t:g}")
+    ax.axvline(1.0, color="black", linewidth=1, linestyle="--")
+    ax.set_yticks([i + height * (len(temps) - 1) / 2 for i in range(len(labels))], labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup vs autoregressive (tokens/s ratio, same run)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(rows: list[BenchRow], output_dir: str | Path, meta: dict[str, Any]) -> dict[str, Path]:
+    """report.md (table), report.json (rows + meta) and speedup.png into `output_dir`."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / "report.md", "json": out / "report.json", "png": out / "speedup.png"}
+    lines = ["# resispec bench", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    lines += [
+        "",
+        "tok/s: generated tokens / wall-clock seconds over all prompts. tau: tokens per target verify "
+        "forward (bonus included). per-depth acceptance: P(accept at depth d | reached d). c: draft forward "
+        "time / target forward time. speedup: tok/s / AR tok/s at the same temperature, same run.",
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    paths["md"].write_text("\n".join(lines))
+    payload = {"meta": meta, "rows": [{**asdict(r), "label": r.label} for r in rows]}
+    paths["json"].write_text(json.dumps(payload, indent=2, default=str))
+    plot_speedup(rows, paths["png"])
+    return paths
+
+
+def log_wandb(rows: list[BenchRow], logger, output_dir: Path, run_name: str, meta: dict[str, Any]) -> None:
+    """The same table and per-row speedups to W&B (offline by default) unless logger.wandb.mode is disabled."""
+    cfg = logger.wandb
+    if cfg.mode == "disabled":
+        return
+    import wandb
+
+    run = wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        mode=cfg.mode,
+        dir=cfg.dir or str(output_dir),
+        name=f"bench-{run_name}",
+        job_type="bench",
+        config=meta,
+        reinit="finish_previous",
+    )
+    header, body = table_rows(rows)
+    run.log(
+        {
+            "bench/table": wandb.Table(columns=header, data=body),
+            "bench/speedup": wandb.Image(str(Path(output_dir) / "speedup.png")),
+        }
+    )
+    for r in rows:
+        key = f"T{r.temperature:g}/{r.label}"
+        run.summary[f"tokens_per_second/{key}"] = r.tokens_per_second
+        if r.speedup is not None:
+            run.summary[f"speedup/{key}"] = r.speedup
+        if r.tau is not None:
+            run.summary[f"tau/{key}"] = r.tau
+    run.finish()
+
+
+# ---------------------------------------------------------------- entry
+
+
+def load_bench_prompts(data, tokenizer, world, num_prompts: int) -> list[list[int]]:
+    """Held-out prompts: the `test` split of the data source (never seen in distillation)."""
+    from resispec.data.prompts import load_prompts
+
+    ds = load_prompts(data, tokenizer, split="test", world=world)
+    return [list(p) for p in ds["prompt_ids"][:num_prompts]]
+
+
+def run_bench(
+    bench: BenchConfig,
+    decode: DecodeConfig,
+    target_cfg,
+    draft_cfg,
+    world=None,
+    data=None,
+    logger=None,
+    output_dir: str | Path | None = None,
+    run_name: str = "bench",
+    prompts: list[list[int]] | None = None,
+    progress: bool = True,
+    show: bool = True,
+) -> list[BenchRow]:
+    """Load the pair (and any `bench.drafts`), measure every method, write the report, print the table, log W&B.
+
+    prompts: token id lists; default: `bench.num_prompts` held-out prompts of `data` (split `test`).
+    output_dir: default `bench.output_dir`; one of them must be set.
+    """
+    from resispec.models import load_pair
+    from resispec.models.config import ModelConfig
+    from resispec.models.loading import check_same_tokenizer, load_model, load_tokenizer
+
+    out_dir = output_dir or bench.output_dir
+    if out_dir is None:
+        raise ValueError("run_bench needs output_dir (or bench.output_dir)")
+    target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
+    drafts = {bench.draft_label: draft}
+    for label, path in bench.drafts.items():
+        if path == draft_cfg.path:
+            drafts = {label if k == bench.draft_label else k: v for k, v in drafts.items()}
+            continue
+        extra_cfg = ModelConfig(path=path, dtype=draft_cfg.dtype, device=draft_cfg.device)
+        check_same_tokenizer(tokenizer, load_tokenizer(extra_cfg, world), ("target", f"draft {label!r}"))
+        drafts[label] = load_model(extra_cfg, world)
+    if prompts is None:
+        if data is None:
+            raise ValueError("run_bench needs prompts or a data config")
+        prompts = load_bench_prompts(data, tokenizer, world, bench.num_prompts)
+    prompts = prompts[: bench.num_prompts]
+    rows = bench_pair(target, drafts, tokenizer, prompts, bench, decode, progress=progress)
+    device = next(target.parameters()).device
+    meta = {
+        "run": run_name,
+        "target": target_cfg.path,
+        "drafts": {k: (draft_cfg.path if v is draft else bench.drafts.get(k)) for k, v in drafts.items()},
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
+        "num_prompts": len(prompts),
+        "max_new_tokens": bench.max_new_tokens,
+        "top_p": decode.top_p,
+        "top_k": decode.top_k,
+        "warmup": bench.warmup,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    paths = write_report(rows, out_dir, meta)
+    if show:
+        print_table(rows, title=f"resispec bench: {run_name} ({meta['device']})")
+        print(f"report: {paths['md']}")
+    if logger is not None:
+        log_wandb(rows, logger, Path(out_dir), run_name, meta)
+    return rows

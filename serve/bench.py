@@ -1,0 +1,66 @@
+"""End-to-end speedup report:  python serve/bench.py [+recipe=NAME] [key=value ...]
+
+  python serve/bench.py                        # the tiny pair: AR vs each rule x tree, HF assisted; report.md/json/png
+  python serve/bench.py +recipe=debug          # the micro pair, a few seconds of work
+  python serve/bench.py bench.drafts='{initial: world:draft, distilled: outputs/distill/tiny/<run>/final}'
+  python serve/bench.py --server http://127.0.0.1:8000 bench.concurrency=8 bench.num_requests=64   # load test
+
+Outputs go to bench.output_dir, else the Hydra run folder (outputs/bench/<name>/<time>/).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from resispec.config import register_configs, to_typed
+
+register_configs()
+
+
+def _server_flag_to_override(argv: list[str]) -> list[str]:
+    """`--server URL` / `--server=URL` -> the Hydra override `bench.server_url=URL`."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--server" and i + 1 < len(argv):
+            out.append(f"bench.server_url={argv[i + 1]}")
+            i += 2
+            continue
+        if arg.startswith("--server="):
+            arg = "bench.server_url=" + arg.split("=", 1)[1]
+        out.append(arg)
+        i += 1
+    return out
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    c = to_typed(cfg)
+    out_dir = c.bench.output_dir or HydraConfig.get().runtime.output_dir
+    if c.bench.server_url:
+        from resispec.models.loading import load_tokenizer
+        from resispec.serving.bench import load_bench_prompts
+        from resispec.serving.loadtest import run_load_test
+        from resispec.serving.text import decode_ids
+
+        tokenizer = load_tokenizer(c.target, c.world)
+        prompts = [
+            decode_ids(tokenizer, p)
+            for p in load_bench_prompts(c.data, tokenizer, c.world, c.bench.num_prompts)
+        ]
+        api_key = c.server.api_key or os.environ.get("RESISPEC_API_KEY") or None
+        run_load_test(c.bench.server_url, prompts, c.bench, api_key=api_key, output_dir=out_dir)
+        return
+    from resispec.serving.bench import run_bench
+
+    run_bench(c.bench, c.decode, c.target, c.draft, c.world, c.data, c.logger, out_dir, run_name=c.name)
+
+
+if __name__ == "__main__":
+    sys.argv[1:] = _server_flag_to_override(sys.argv[1:])
+    main()
