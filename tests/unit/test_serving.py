@@ -1,0 +1,354 @@
+"""Serving without models: text assembly, the HTTP layer over a fake engine (uvicorn in a thread), worker queueing
+and cancellation, report writing, the load test's guards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from resispec.serving.app import create_app
+from resispec.serving.config import BenchConfig, ServerConfig
+from resispec.serving.text import TextAssembler, fallback_chat_prompt
+
+ALPHABET = "abcdefghij \n"
+
+
+class CharTokenizer:
+    """Token i <-> ALPHABET[i]; id 12 is EOS (rendered as nothing), ids >= 13 render as U+FFFD until followed by
+    another token, like an incomplete byte-level BPE character."""
+
+    eos_token_id = 12
+    chat_template = None
+
+    def __len__(self) -> int:
+        return 16
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [ALPHABET.index(c) for c in text if c in ALPHABET]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        out = []
+        for i, t in enumerate(ids):
+            if t < len(ALPHABET):
+                out.append(ALPHABET[t])
+            elif t >= 13:
+                out.append("\ufffd" if i == len(ids) - 1 else "é")
+        return "".join(out)
+
+
+class FakeEngine:
+    """Emits prompt[-1]+1, +2, ... (mod 12) in chunks of 3, `delay` seconds per chunk; records what it ran."""
+
+    def __init__(self, delay: float = 0.0, fail_on: int | None = None) -> None:
+        self.delay, self.fail_on = delay, fail_on
+        self.last_stats = None
+        self.started: list[list[int]] = []
+        self.closed_after: list[int] = []
+
+    def stream(self, prompt_ids, params):
+        self.started.append(list(prompt_ids))
+
+        def gen():
+            n = 0
+            try:
+                while n < params.max_new_tokens:
+                    if self.fail_on is not None and prompt_ids[-1] == self.fail_on:
+                        raise RuntimeError("engine exploded")
+                    time.sleep(self.delay)
+                    k = min(3, params.max_new_tokens - n)
+                    chunk = [(prompt_ids[-1] + n + j + 1) % 12 for j in range(k)]
+                    n += k
+                    yield chunk
+            finally:
+                self.closed_after.append(n)
+
+        return gen()
+
+
+def _expected(prompt_last: int, n: int) -> str:
+    return "".join(ALPHABET[(prompt_last + j + 1) % 12] for j in range(n))
+
+
+@pytest.fixture()
+def serve_fake():
+    """Factory: (engine, ServerConfig kwargs) -> base URL of a uvicorn server in a thread; all stopped at the end."""
+    servers = []
+
+    def start(engine, **cfg) -> str:
+        app = create_app(engine, CharTokenizer(), ServerConfig(model_name="m", **cfg), max_model_len=40)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.time() + 10
+        while not server.started:
+            assert time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(10)
+
+
+# ---------------------------------------------------------------- text
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_assembler_deltas_reassemble_and_cut_at_stop(seed):
+    rng = random.Random(seed)
+    tok = CharTokenizer()
+    ids = [rng.randrange(12) for _ in range(60)]
+    full = tok.decode(ids)
+    stop = full[20:23]
+    want = full[: full.index(stop)]
+    a = TextAssembler(tok, [stop, "zz-never"])
+    out, i = "", 0
+    while i < len(ids) and not a.stopped:
+        k = rng.randint(1, 4)
+        delta = a.add(ids[i : i + k])
+        out += delta
+        # nothing sent may be the start of a stop string that could still complete
+        assert not a.stopped or stop not in out
+        i += k
+    out += a.finish()
+    assert a.stopped and out == want == a.text
+
+
+def test_assembler_holds_back_partial_stop_and_incomplete_char():
+    a = TextAssembler(CharTokenizer(), ["cd"])
+    assert a.add([0, 1, 2]) == "ab"  # "c" may begin "cd": held back
+    assert a.add([0]) == "ca"  # it did not
+    assert a.add([13]) == ""  # an incomplete character is never sent
+    assert a.add([1]) == "éb"
+    assert a.add([2, 3, 4]) == "" and a.stopped and a.text == "abcaéb"
+    assert a.finish() == ""
+
+
+def test_fallback_chat_prompt():
+    assert fallback_chat_prompt([("system", "S"), ("user", "U")]) == "system: S\nuser: U\nassistant:"
+
+
+# ---------------------------------------------------------------- HTTP over a fake engine
+
+
+def test_completion_chat_stream_and_usage(serve_fake):
+    url = serve_fake(FakeEngine())
+    r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "abc", "max_tokens": 7})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res["choices"][0]["text"] == _expected(2, 7) and res["choices"][0]["finish_reason"] == "length"
+    assert res["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "a"}],
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    prompt = CharTokenizer()(fallback_chat_prompt([("user", "a")]))["input_ids"]
+    assert text == _expected(prompt[-1], 5)
+    assert events[-1]["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 5,
+        "total_tokens": len(prompt) + 5,
+    }
+    assert all(e["usage"] is None for e in events[:-1])
+
+
+def test_eos_and_default_max_tokens(serve_fake):
+    url = serve_fake(FakeEngine(), max_tokens_default=100)
+    # prompt ends with id 10 -> emits 11 then 0 ...; EOS id 12 is never produced here, so the context caps it
+    r = httpx.post(
+        url + "/v1/completions", json={"model": "m", "prompt": list(range(11)), "max_tokens": None}
+    )
+    assert r.json()["usage"]["completion_tokens"] == 40 - 11  # max_model_len - prompt
+
+
+def test_errors_are_openai_shaped_and_server_keeps_serving(serve_fake):
+    url = serve_fake(FakeEngine(fail_on=9), api_key="k")
+    h = {"Authorization": "Bearer k"}
+    cases = [
+        ({}, {"model": "m", "prompt": "a"}, 401),
+        (h, {"model": "x", "prompt": "a"}, 404),
+        (h, {"model": "m", "prompt": "a", "max_tokens": 0}, 400),
+        (h, {"model": "m", "prompt": "a", "n": 2}, 400),
+        (h, {"model": "m", "prompt": ["a", "b"]}, 400),
+        (h, {"model": "m", "prompt": [99]}, 400),
+        (h, {"model": "m", "prompt": ""}, 400),
+        (h, {"model": "m", "prompt": "a" * 41}, 400),
+        (h, {"model": "m", "prompt": "a", "max_tokens": 40}, 400),
+        (h, {"model": "m", "prompt": "a", "stop": 5}, 400),
+        (h, {"model": "m", "prompt": "a", "echo": True}, 400),
+    ]
+    for headers, body, status in cases:
+        r = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        assert r.status_code == status, (body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.get(url + "/v1/nothing-here", headers=h)
+    assert r.status_code == 404 and "error" in r.json()
+    # an engine failure is a 500 with an error body (non-streamed), in-band when streaming; then still serving
+    r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "j"}, headers=h)
+    assert r.status_code == 500 and "engine exploded" in r.json()["error"]["message"]
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={"model": "m", "prompt": "j", "stream": True}, headers=h
+    ) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert "engine exploded" in lines[-2] and lines[-1] == "data: [DONE]"
+    ok = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "a", "max_tokens": 2}, headers=h)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == _expected(0, 2)
+
+
+def test_requests_queue_to_one_worker_and_full_queue_is_503(serve_fake):
+    engine = FakeEngine(delay=0.05)
+    url = serve_fake(engine, max_queue=3)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            body = {"model": "m", "prompt": "a", "max_tokens": 6}
+            return await asyncio.gather(
+                *(c.post("/v1/completions", json={**body, "prompt": ALPHABET[i % 10]}) for i in range(8))
+            )
+
+    results = asyncio.run(main())
+    codes = sorted(r.status_code for r in results)
+    # 8 arrive within milliseconds, each takes 0.1 s: at most 1 running + 3 queued are accepted at first
+    assert codes.count(200) >= 3 and codes.count(503) >= 1 and set(codes) <= {200, 503}
+    for r in results:
+        if r.status_code == 200:
+            p = r.json()
+            assert len(p["choices"][0]["text"]) == 6
+        else:
+            assert r.json()["error"]["code"] == "queue_full"
+
+
+def test_client_disconnect_cancels_generation(serve_fake):
+    engine = FakeEngine(delay=0.02)
+    url = serve_fake(engine)
+    body = {"model": "m", "prompt": "a", "max_tokens": 30, "stream": True}
+    with httpx.Client(base_url=url, timeout=10) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                break
+    deadline = time.time() + 5
+    while not engine.closed_after and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.closed_after and engine.closed_after[0] < 30
+    metrics = httpx.get(url + "/metrics").text
+    assert 'resispec:request_success_total{finished_reason="abort",model_name="m"} 1.0' in metrics
+    # a non-streamed request whose client times out is cancelled too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.1)
+    deadline = time.time() + 5
+    while len(engine.closed_after) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(engine.closed_after) == 2 and engine.closed_after[1] < 30
+
+
+# ---------------------------------------------------------------- bench helpers
+
+
+def test_write_report_writes_three_files(tmp_path: Path):
+    from resispec.serving.bench import BenchRow, write_report
+
+    rows = [
+        BenchRow("ar", 0.0, num_tokens=10, seconds=1.0, tokens_per_second=10.0, tau=1.0, speedup=1.0),
+        BenchRow(
+            "spec",
+            0.0,
+            draft="d",
+            rule="rrs",
+            tree="[2,1]",
+            tokens_per_second=15.0,
+            tau=2.0,
+            per_depth_acceptance=[0.8, 0.5],
+            c=0.1,
+            speedup=1.5,
+        ),
+        BenchRow(
+            "hf_assisted", 0.0, draft="d", rule="hf", tree="chain 2", tokens_per_second=12.0, speedup=1.2
+        ),
+    ]
+    paths = write_report(rows, tmp_path, {"target": "t"})
+    assert {p.name for p in tmp_path.iterdir()} >= {"report.md", "report.json", "speedup.png"}
+    md = paths["md"].read_text()
+    assert "| 0 | spec | d | rrs | [2,1] | 15.0 | 2.00 | 0.80 0.50 | 0.100 | 1.50 |" in md
+    data = json.loads(paths["json"].read_text())
+    assert [r["label"] for r in data["rows"]] == ["AR", "rrs [2,1] (d)", "HF assisted chain 2 (d)"]
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sum_stats_adds_counters():
+    from resispec.decoding import DecodeStats
+    from resispec.serving.bench import _sum_stats
+
+    a = DecodeStats(
+        num_drafts=2, num_accepted_tokens=3, accepted_per_position=[2, 1], reached_per_position=[2, 1]
+    )
+    b = DecodeStats(
+        num_drafts=1, num_accepted_tokens=0, accepted_per_position=[0, 0], reached_per_position=[1, 0]
+    )
+    s = _sum_stats([a, b])
+    assert s.num_drafts == 3 and s.accepted_per_position == [2, 1] and s.reached_per_position == [3, 1]
+    assert s.tau == pytest.approx((3 + 3) / 3)
+
+
+def test_load_test_is_localhost_only_and_percentiles():
+    from resispec.serving.loadtest import percentile, run_load_test
+
+    for url in ("http://example.com:8000", "http://10.0.0.1:8000", "https://api.openai.com"):
+        with pytest.raises(ValueError, match="this machine"):
+            run_load_test(url, ["x"], BenchConfig())
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and percentile([3.0, 1.0, 2.0, 4.0], 95) == 4.0
+
+
+def test_load_test_against_fake_server(serve_fake, tmp_path):
+    from resispec.serving.loadtest import run_load_test
+
+    url = serve_fake(FakeEngine(delay=0.01))
+    bench = BenchConfig(concurrency=3, num_requests=7, max_new_tokens=5, temperatures=[0.0])
+    res = run_load_test(url, ["abc", "de"], bench, output_dir=tmp_path, show=False)
+    assert res.num_ok == 7 and res.num_failed == 0 and res.completion_tokens == 35
+    assert 0 < res.latency_p50 <= res.latency_p95 and res.tokens_per_second > 0
+    assert (tmp_path / "report.md").exists() and json.loads((tmp_path / "report.json").read_text())[
+        "num_ok"
+    ] == 7
+
+
+def test_server_flag_becomes_override():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_script", Path(__file__).parents[2] / "serve" / "bench.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod._server_flag_to_override(["--server", "http://127.0.0.1:1", "a=b"]) == [
+        "bench.server_url=http://127.0.0.1:1",
+        "a=b",
+    ]
+    assert mod._server_flag_to_override(["--server=http://localhost:2"]) == [
+        "bench.server_url=http://localhost:2"
+    ]
