@@ -21,6 +21,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="distill")
 def main(cfg) -> None:
+    from resispec.data import DataNotFoundError
     from resispec.models import ModelNotFoundError, TokenizerMismatchError
     from resispec.training import USER_ERRORS, distill, format_metrics
 
@@ -41,7 +42,7 @@ def main(cfg) -> None:
             name=c.name,
             resolved_config=OmegaConf.to_container(cfg, resolve=True),
         )
-    except (ModelNotFoundError, TokenizerMismatchError, *USER_ERRORS) as e:
+    except (ModelNotFoundError, TokenizerMismatchError, DataNotFoundError, *USER_ERRORS) as e:
         print(f"error: {e}", file=sys.stderr)  # one line: these are the user's to fix, not bugs
         sys.exit(2)
     if result.is_main:

@@ -47,6 +47,7 @@ class TrainConfig:
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     output_dir: str | None = None  # default: the Hydra run folder
     eval_positions: int = 2048  # held-out positions for alpha / tau
+    num_threads: int | None = None  # torch CPU threads during the run; None = torch's default (all cores)
 
 
 @dataclass

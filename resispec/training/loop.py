@@ -120,15 +120,33 @@ def _pad_id(tok) -> int:
     return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
 
-def _load_inputs(world, target_cfg, draft_cfg, data_cfg, train_cfg, rows):
-    """(target, draft, tokenizer, train rows, held-out rows); rows = (train, eval) to skip regeneration."""
+def _load_inputs(accelerator, world, target_cfg, draft_cfg, data_cfg, rows):
+    """(target, draft, tokenizer, train rows, held-out rows), both models on this process's device; rows =
+    (train, eval) skips regeneration. Regeneration is cached and split over the processes."""
     from resispec.models import load_pair
 
+    device = str(accelerator.device)  # load each process's copy straight onto its own device
+    target_cfg = dataclasses.replace(target_cfg, device=device) if target_cfg.device == "auto" else target_cfg
+    draft_cfg = dataclasses.replace(draft_cfg, device=device) if draft_cfg.device == "auto" else draft_cfg
     target, draft, tok = load_pair(target_cfg, draft_cfg, world)
+    target.to(accelerator.device).eval().requires_grad_(False)
+    draft.to(accelerator.device)
     if rows is None:
         from resispec.data import ensure_regenerated
 
-        rows = tuple(ensure_regenerated(data_cfg, target, tok, split, world) for split in ("train", "eval"))
+        rows = tuple(
+            ensure_regenerated(
+                data_cfg,
+                target,
+                tok,
+                split,
+                world,
+                accelerator=accelerator,
+                target_id=target_cfg.path,
+                progress=accelerator.is_main_process,
+            )
+            for split in ("train", "eval")
+        )
     return target, draft, tok, rows[0], rows[1]
 
 
@@ -153,6 +171,32 @@ def distill(
 ) -> DistillResult:
     """Distill (or LoRA-tune) the draft toward the target with the configured loss; evaluate held-out alpha /
     tau before, during and after; keep the best checkpoint by simulated tau. See recipes/ for how to launch."""
+    threads = torch.get_num_threads()
+    if train.num_threads:  # micro models on a shared CPU: one thread avoids contention that costs 10-50x
+        torch.set_num_threads(train.num_threads)
+    try:
+        return _distill(
+            world,
+            target,
+            draft,
+            data,
+            decode,
+            loss,
+            optim,
+            train,
+            logger,
+            output_dir,
+            name,
+            resolved_config,
+            rows,
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _distill(
+    world, target, draft, data, decode, loss, optim, train, logger, output_dir, name, resolved_config, rows
+):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -160,6 +204,9 @@ def distill(
         check_loss_config(loss, decode)
     except ValueError as e:
         raise DistillConfigError(str(e)) from e
+    import logging
+
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # per-file save_state INFO lines drown the bar
     on_cpu = target.device == "cpu" or not torch.cuda.is_available()
     accelerator = Accelerator(
         cpu=on_cpu,
@@ -187,10 +234,10 @@ def distill(
     accelerator.wait_for_everyone()
 
     # ---- models and data
-    target_model, draft_model, tok, train_ds, eval_ds = _load_inputs(world, target, draft, data, train, rows)
+    target_model, draft_model, tok, train_ds, eval_ds = _load_inputs(
+        accelerator, world, target, draft, data, rows
+    )
     device = accelerator.device
-    target_model.to(device).eval().requires_grad_(False)
-    draft_model.to(device)
     pad_id = _pad_id(tok)
     from resispec.data import pack
 

@@ -43,7 +43,10 @@ def run_distill(
         decode or DecodeConfig(tree=[2, 1]),
         loss or LossConfig(),
         OptimConfig(lr=3e-3, warmup_steps=2),
-        train or TrainConfig(max_steps=6, batch_size=4, eval_every=3, save_every=3, eval_positions=60),
+        train
+        or TrainConfig(
+            num_threads=1, max_steps=6, batch_size=4, eval_every=3, save_every=3, eval_positions=60
+        ),
         LoggerConfig(wandb=WandbConfig(mode=wandb), log_every=2),
         output_dir=out,
         name="smoke",
@@ -109,6 +112,7 @@ def test_lora_with_cached_targets_saves_adapter_and_merged_draft(pair, tmp_path)
     draft_cfg = ModelConfig(path=str(pair[1]), device="cpu", adapter="lora")
     draft_cfg.lora.r, draft_cfg.lora.alpha, draft_cfg.lora.dropout = 4, 8, 0.0
     train = TrainConfig(
+        num_threads=1,
         max_steps=4,
         batch_size=4,
         eval_every=4,
@@ -145,7 +149,9 @@ def test_lora_with_cached_targets_saves_adapter_and_merged_draft(pair, tmp_path)
 
 @pytest.mark.parametrize("loss", ["fkl", "rkl", "jsd", "tvd"])
 def test_every_divergence_trains(pair, tmp_path, loss):
-    train = TrainConfig(max_steps=2, batch_size=4, eval_every=0, save_every=0, eval_positions=20)
+    train = TrainConfig(
+        num_threads=1, max_steps=2, batch_size=4, eval_every=0, save_every=0, eval_positions=20
+    )
     result = run_distill(pair, tmp_path / loss, loss=LossConfig(name=loss), train=train)
     assert len(result.metrics["losses"]) == 2 and result.metrics["losses"][0] > 0
 
@@ -184,9 +190,14 @@ def test_entry_script_errors_are_one_line(pair, tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>").save_pretrained(
         other
     )
-    common = [f"hydra.run.dir={tmp_path / 'hydra'}", "logger.wandb.mode=disabled", "target.device=cpu"]
+    common = [
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+        "logger.wandb.mode=disabled",
+        "target.device=cpu",
+        "train.num_threads=1",
+    ]
     cases = {
-        "not found": [f"target.path={tmp_path / 'missing'}", f"draft.path={pair[1]}"],
+        "missing": [f"target.path={tmp_path / 'missing'}", f"draft.path={pair[1]}"],  # names the model
         "tokenizer": [f"target.path={pair[0]}", f"draft.path={other}"],
         "closed-form": [f"target.path={pair[0]}", f"draft.path={pair[1]}", "loss.rule=rsd"],
     }

@@ -50,6 +50,7 @@ def run(pair_dir: Path, out: Path, max_steps: int = 8, resume: bool = False, sav
         LossConfig(),
         OptimConfig(lr=3e-3, warmup_steps=2),
         TrainConfig(
+            num_threads=1,
             max_steps=max_steps,
             batch_size=2,
             eval_every=4,
