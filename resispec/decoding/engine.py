@@ -90,6 +90,8 @@ class SpeculativeDecoder:
             self._target_fwd = torch.compile(target, dynamic=True)
             self._draft_fwd = torch.compile(draft, dynamic=True)
         self.last_stats: DecodeStats | None = None
+        # test hook: called after each step's cache compaction with (target_cache, draft_cache, committed_ids)
+        self.after_step: Callable | None = None
 
     # ------------------------------------------------------------------ public API
     @torch.inference_mode()
@@ -242,6 +244,7 @@ class SpeculativeDecoder:
         num_committed = len(prompt)  # L; the root prompt[-1] is the last committed token
         pending = list(prompt)  # committed tokens not yet in the draft cache (the draft prefill is folded in)
         root = prompt[-1]
+        committed = list(prompt)  # only kept up to date for the after_step hook
         while True:
             # ---- draft phase: one forward per depth
             self._sync()
@@ -252,25 +255,28 @@ class SpeculativeDecoder:
             ids = torch.tensor([pending], device=dev)
             logits = forward_logits(self._draft_fwd, ids, dcache, pos, logits_to_keep=1)  # [1, 1, V]
             q = self._probs(logits[0], settings)  # [1, V]
-            proposals, draws = [], []
+            proposals = []
+            fed_depth = 0  # deepest level the draft has processed (its cache holds levels 1..fed_depth)
             for depth in range(1, depth_max + 1):
                 proposal = rule.propose(q, shape[depth - 1], generator)
+                level = tree.add_level(proposal.tokens.tolist())  # one host sync per depth
+                if len(level) == 0:
+                    break
                 proposals.append(proposal)
-                draws.append(proposal.tokens.tolist())  # [n_{d-1}][b_d]
-                level = tree.add_level(draws[-1])
                 if depth == depth_max:
                     break
-                mask = tree_attention_mask(
-                    num_committed, tree.mask(level, range(1, level.stop)).to(dev), draft_mask_dtype
-                )
+                block = tree.mask(level, range(1, level.stop)).to(dev)  # [n_d, nodes so far]
+                mask = tree_attention_mask(num_committed, block, draft_mask_dtype)
                 ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
                 pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
                 logits = forward_logits(self._draft_fwd, ids, dcache, pos, mask)  # [1, n_d, V]
                 q = self._probs(logits[0], settings)  # [n_d, V]
+                fed_depth = depth
             self._sync()
             t1 = time.perf_counter()
             stats.draft_seconds += t1 - t0
-            stats.draft_forwards += depth_max
+            stats.draft_forwards += 1 + fed_depth
+            depth_eff = tree.depth  # < depth_max only when a whole level had no draws
 
             # ---- verify phase: ONE target forward over the root and every node
             num_nodes = tree.num_nodes
@@ -283,12 +289,12 @@ class SpeculativeDecoder:
 
             # ---- accept phase: verify every level (batched), one host sync, then walk
             out_tokens, out_slots = [], []
-            for depth in range(1, depth_max + 1):
+            for depth in range(1, depth_eff + 1):
                 parents = tree.level(depth - 1)
                 token, slot = rule.verify(p[parents.start : parents.stop], proposals[depth - 1], generator)
                 out_tokens.append(token.reshape(-1))
                 out_slots.append(slot.reshape(-1))
-            leaves = tree.level(depth_max)
+            leaves = tree.level(depth_eff)
             leaf_p = p[leaves.start : leaves.stop]  # [n_D, V]
             bonus = leaf_p.argmax(dim=-1) if greedy else sample_tokens(leaf_p, generator)
             host = torch.cat(out_tokens + out_slots + [bonus]).tolist()
@@ -296,23 +302,26 @@ class SpeculativeDecoder:
             stats.target_seconds += time.perf_counter() - t1
             stats.target_forwards += 1
 
-            run, accepted = self._walk(tree, host, depth_max)
+            run, accepted = self._walk(tree, host, depth_eff)
             num_acc = len(accepted)
             stats.num_drafts += 1
             stats.num_draft_tokens += num_nodes - 1
             stats.num_accepted_tokens += num_acc
-            for j in range(min(num_acc + 1, depth_max)):
+            for j in range(min(num_acc + 1, depth_eff)):
                 stats.reached_per_position[j] += 1
                 stats.accepted_per_position[j] += int(j < num_acc)
             yield run  # the consumer closes this generator at a stop, so no cache work is wasted after it
 
             # ---- compact both caches to the accepted path
             _compact(tcache, num_committed - 1, [0] + accepted)
-            in_draft = [n - 1 for n in accepted if tree.depths[n] < depth_max]  # nodes the draft has seen
-            _compact(dcache, num_committed, in_draft)
-            pending = ([tree.tokens[accepted[-1]]] if num_acc == depth_max else []) + [run[-1]]
+            _compact(dcache, num_committed, [n - 1 for n in accepted if tree.depths[n] <= fed_depth])
+            # an accepted node deeper than the draft has seen (at most the last one) is fed next step
+            pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed_depth] + [run[-1]]
             num_committed += num_acc + 1
             root = run[-1]
+            if self.after_step is not None:
+                committed.extend(run)
+                self.after_step(tcache, dcache, committed)
 
     @staticmethod
     def _walk(tree: DraftTree, host: list[int], depth_max: int) -> tuple[list[int], list[int]]:

@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from resispec.models.loading import TokenizerMismatchError, check_same_tokenizer
 
-class TokenizerMismatchError(ValueError):
-    """Target and draft do not share a tokenizer (fallback until resispec.models provides its own)."""
-
-
-def _local_check(tok_a, tok_b) -> None:
-    if tok_a.get_vocab() != tok_b.get_vocab():
-        raise TokenizerMismatchError("target and draft tokenizers differ: vocabularies are not identical")
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
-        if getattr(tok_a, attr, None) != getattr(tok_b, attr, None):
-            raise TokenizerMismatchError(f"target and draft tokenizers differ: {attr} is not the same")
+__all__ = ["TokenizerMismatchError", "check_tokenizers", "resolve_vocab_size"]
 
 
 def check_tokenizers(tok_target, tok_draft) -> None:
-    """Raise a clear error when both tokenizers are given and differ (speculative decoding needs one tokenizer)."""
+    """Raise TokenizerMismatchError when both tokenizers are given and differ (one tokenizer is required)."""
     if tok_target is None or tok_draft is None:
         return
-    try:
-        from resispec.models import check_same_tokenizer
-    except ImportError:
-        check_same_tokenizer = _local_check
     check_same_tokenizer(tok_target, tok_draft)
 
 

@@ -60,7 +60,7 @@ class DraftTree:
         for parent, node_draws in zip(parents, draws, strict=True):
             kids = self.children[parent]
             for tok in node_draws:
-                if tok not in kids:  # repeated i.i.d. draws share one child
+                if tok >= 0 and tok not in kids:  # -1 = empty slot; repeated i.i.d. draws share one child
                     kids[tok] = len(self.tokens)
                     self.tokens.append(tok)
                     self.parents.append(parent)
@@ -68,6 +68,8 @@ class DraftTree:
                     self.children.append({})
                     new_parents.append(parent)
         start, end = self.level_starts[-1], len(self.tokens)
+        if end == start:  # no child anywhere (every slot empty): the tree stops one level up
+            return range(start, end)
         self.level_starts.append(end)
         idx = torch.arange(start, end)
         self.ancestors[idx] = self.ancestors[torch.tensor(new_parents, dtype=torch.long)]

@@ -1,0 +1,166 @@
+"""SpeculativeDecoder end to end on micro Llamas: greedy identity for every rule and tree shape, stop conditions,
+cache compaction after every step, API errors. (Distribution exactness: test_decoding_exactness.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resispec.decoding import SpeculativeDecoder, TokenizerMismatchError
+from resispec.decoding.kv_cache import cache_length, forward_logits, new_cache
+from resispec.verify import VERIFIERS
+from tests.unit.test_decoding_helpers import micro_llama, noisy_copy, single_thread
+
+VOCAB = 96
+SHAPES = [[1, 1, 1, 1], [4, 2, 1], [3, 3, 3], [2, 2, 2, 2]]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Target, a close draft (noisy copy: long accepted runs) and a far draft (other seed and dims: rejections)."""
+    target = micro_llama(64, 2, VOCAB, seed=0)
+    return target, noisy_copy(target, 0.5, seed=1), micro_llama(32, 1, VOCAB, seed=2)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (1, n), generator=gen) for n in (1, 3, 6, 11)]
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(pair, prompts):
+    """Target greedy via HF generate and via our AR path; they must agree before anything else is compared."""
+    target = pair[0]
+    dec = SpeculativeDecoder(target, pair[1], rule="chain", tree=[1])
+    refs = []
+    for ids in prompts:
+        hf = target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+        ar = dec.generate_autoregressive(ids, max_new_tokens=NEW_TOKENS, temperature=0.0)
+        assert torch.equal(hf, ar.sequences), "AR baseline differs from HF generate(do_sample=False)"
+        refs.append(ar.sequences)
+    assert len({tuple(r[0, -NEW_TOKENS:].tolist()) for r in refs}) == len(refs)  # varied outputs
+    return refs
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("rule", sorted(VERIFIERS))
+def test_greedy_identity(rule, shape, pair, prompts, greedy_refs):
+    target, close, far = pair
+    accepted = 0
+    for i, (ids, ref) in enumerate(zip(prompts, greedy_refs, strict=True)):
+        dec = SpeculativeDecoder(target, close if i % 2 == 0 else far, rule=rule, tree=shape)
+        out = dec.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0)
+        assert torch.equal(out.sequences, ref), f"prompt {i}: speculative greedy differs from target greedy"
+        accepted += out.stats.num_accepted_tokens
+    assert accepted > 0  # the close draft exercised accepted runs
+
+
+def test_identical_draft_accepts_everything(pair, prompts, greedy_refs):
+    """draft = target: every step accepts the whole path, so the draft must catch up on the deepest token."""
+    target = pair[0]
+    dec = SpeculativeDecoder(target, target, rule="resispec", tree=[2, 1, 1])
+    out = dec.generate(prompts[2], max_new_tokens=NEW_TOKENS, temperature=0.0)
+    assert torch.equal(out.sequences, greedy_refs[2])
+    assert out.stats.tau == 4.0 and out.stats.per_depth_acceptance == [1.0, 1.0, 1.0]
+    assert out.stats.num_drafts == NEW_TOKENS // 4 and out.stats.target_forwards == NEW_TOKENS // 4 + 1
+
+
+@pytest.mark.parametrize("rule", ["resispec", "rsd", "hub"])
+def test_cache_after_every_step_equals_reencoding(rule, pair, prompts):
+    """At temperature 1 with a branching tree, accepted paths are often not the first children, so compaction
+    really gathers. After each step the caches must equal encoding the committed text from scratch."""
+    target, close, _ = pair
+    dec = SpeculativeDecoder(target, close, rule=rule, tree=[3, 2, 1])
+    checked = []
+
+    def check(tcache, dcache, committed):
+        ids = torch.tensor([committed])
+        assert cache_length(tcache) == len(committed) - 1  # everything but the new root
+        for model, cache in ((target, tcache), (close, dcache)):
+            ref = new_cache(model)
+            forward_logits(model, ids[:, : cache_length(cache)], ref)
+            for got, want in zip(cache.layers, ref.layers, strict=True):
+                torch.testing.assert_close(got.keys, want.keys, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(got.values, want.values, atol=1e-4, rtol=1e-4)
+        # the draft lags by the new root, plus the deepest accepted token when the whole path was accepted
+        assert len(committed) - cache_length(dcache) in (1, 2)
+        checked.append(len(committed))
+
+    dec.after_step = check
+    out = dec.generate(
+        prompts[1], max_new_tokens=20, temperature=1.0, generator=torch.Generator().manual_seed(3)
+    )
+    assert checked and out.stats.num_accepted_tokens > 0
+
+
+def test_stop_conditions(pair, prompts, greedy_refs):
+    target, close, _ = pair
+    dec = SpeculativeDecoder(target, close, rule="resispec", tree=[2, 2, 1], tokenizer=AngleTokenizer())
+    ids, ref = prompts[2], greedy_refs[2]
+    gen = ref[0, ids.shape[1] :].tolist()
+    # max_new_tokens: exact length, whatever the step boundaries
+    for n in (1, 2, 5, 7):
+        out = dec.generate(ids, max_new_tokens=n, temperature=0.0)
+        assert torch.equal(out.sequences, ref[:, : ids.shape[1] + n])
+    # EOS: cut right after the first occurrence of the EOS token (a token from the middle of the greedy output)
+    eos = gen[9]
+    cut = gen.index(eos) + 1
+    out = dec.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, eos_token_id=eos)
+    assert out.sequences[0, ids.shape[1] :].tolist() == gen[:cut]
+    # stop strings: the token completing the stop string is the last one emitted
+    stop = f"<{gen[6]}><{gen[7]}>"
+    out = dec.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0, stop=["never", stop])
+    emitted = out.sequences[0, ids.shape[1] :].tolist()
+    assert stop in AngleTokenizer().decode(emitted) and stop not in AngleTokenizer().decode(emitted[:-1])
+    # a stop_checker callable; the stream yields the same tokens in step chunks
+    chunks = list(
+        dec.generate_stream(
+            ids, max_new_tokens=NEW_TOKENS, temperature=0.0, stop_checker=lambda g: len(g) >= 10
+        )
+    )
+    assert [t for c in chunks for t in c] == gen[:10] and len(chunks) == dec.last_stats.num_drafts
+    assert dec.last_stats.num_new_tokens == 10
+
+
+def test_errors(pair, prompts):
+    target, close, _ = pair
+    with pytest.raises(NotImplementedError, match="batch size 1"):
+        SpeculativeDecoder(target, close, rule="rrs", tree=[2]).generate(prompts[1].repeat(2, 1))
+    with pytest.raises(TokenizerMismatchError):
+        SpeculativeDecoder(
+            target, close, tokenizer_target=AngleTokenizer(), tokenizer_draft=AngleTokenizer(VOCAB + 1)
+        )
+    with pytest.raises(TokenizerMismatchError, match="vocab sizes differ"):
+        SpeculativeDecoder(target, micro_llama(32, 1, VOCAB + 8, seed=4))
+    with pytest.raises(ValueError, match="stop strings need"):
+        SpeculativeDecoder(target, close).generate(prompts[1], stop=["x"])
+    with pytest.raises(KeyError, match="unknown verification rule"):
+        SpeculativeDecoder(target, close, rule="nope")
+
+
+class AngleTokenizer:
+    """A stand-in tokenizer: token i decodes to "<i>"."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        self.vocab = vocab
+        self.eos_token_id = None
+        self.eos_token = None
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"<{i}>": i for i in range(self.vocab)}
+
+    def __len__(self) -> int:
+        return self.vocab
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(f"<{i}>" for i in ids)

@@ -1,0 +1,70 @@
+"""Micro model builders shared by the decoding tests, plus tests of the sampling transform."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from resispec.decoding import process_logits
+
+
+def micro_llama(hidden: int, layers: int, vocab: int, seed: int, scale: float = 8.0) -> LlamaForCausalLM:
+    """A random Llama; embedding and lm_head are scaled (NOTES.md) so greedy outputs vary instead of repeating."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(scale)
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:
+    """A draft that agrees with `model` often but not always: its weights plus `noise` * std Gaussian noise."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in draft.parameters():
+            w.add_(noise * w.std() * torch.randn(w.shape, generator=gen))
+    return draft
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Micro models are latency bound: one thread avoids oversubscribing the shared 2 cores (10x faster here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_process_logits_greedy_is_one_hot_first_argmax():
+    logits = torch.tensor([[0.0, 2.0, 2.0, -1.0]])
+    assert process_logits(logits, temperature=0.0).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_process_logits_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    top_k = process_logits(logits, temperature=1.0, top_k=2)
+    torch.testing.assert_close(top_k, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+    # top_p = 0.7: 0.5 < 0.7 so the second token is needed; 0.75 >= 0.7 so the third is dropped
+    top_p = process_logits(logits, temperature=1.0, top_p=0.7)
+    torch.testing.assert_close(top_p, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+    hot = process_logits(logits, temperature=0.5)
+    torch.testing.assert_close(hot, torch.softmax(logits * 2, -1))
