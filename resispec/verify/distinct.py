@@ -41,27 +41,38 @@ from resispec.verify.base import (
 )
 from resispec.verify.topset import gumbel_top
 
-LAMBDA_GRID = torch.linspace(0.0, 1.0, 21, dtype=torch.float64)  # lam = 0 (rsd-like) is always a candidate
+# lam = 0 (rsd's first step) is always a candidate; lam >= max p/q accepts nothing at this draw
+LAMBDA_GRID = torch.tensor(
+    [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 1e30],
+    dtype=torch.float64,
+)
 _TINY = 1e-300
 
 
-def _parts(p: torch.Tensor, q: torch.Tensor, lam: torch.Tensor):
-    """Step quantities for target residual p, draw distribution q (both [..., V]) and lam [..., 1]."""
-    c = torch.minimum((p - lam * q).clamp(min=0.0), q)  # [..., V] mass accepted now
-    big_r = (p - c).clamp(min=0.0)  # [..., V] target mass left
-    r = (q - c).clamp(min=0.0)  # [..., V] rejection mass per drawn token
-    s = r / (1.0 - q).clamp(min=1e-12)  # [..., V]
-    kappa = q * (s.sum(-1, keepdim=True) - s)  # [..., V] next-draw mass at z after a rejection
-    return c, big_r, r, s, kappa
+def _transport(p: Tensor, q: Tensor, lam: Tensor):
+    """Step quantities for target residual p, draw distribution q (both [B, V]) and lam [B, 1] (docstring)."""
+    c = torch.minimum((p - lam * q).clamp(min=0.0), q)  # [B, V] mass accepted now
+    big_r = (p - c).clamp(min=0.0)  # [B, V] target mass left (column sums of M)
+    r = (q - c).clamp(min=0.0)  # [B, V] rejection mass per drawn token (row sums of M)
+    s = r / (1.0 - q).clamp(min=1e-12)  # [B, V]
+    kappa = q * (s.sum(-1, keepdim=True) - s)  # [B, V] column sums of K
+    rho = torch.where(kappa > 0, (big_r / kappa.clamp(min=_TINY)).clamp(max=1.0), torch.ones_like(big_r))
+    q_rho = q * rho  # [B, V]
+    d = (r - s * (q_rho.sum(-1, keepdim=True) - q_rho)).clamp(min=0.0)  # [B, V] row deficits
+    e = (big_r - kappa).clamp(min=0.0)  # [B, V] column deficits (Σ d = Σ e)
+    diag = torch.minimum(d, e)  # [B, V] deficit routed back onto the rejected token itself
+    d_rest, e_rest = d - diag, e - diag
+    return c, big_r, r, s, kappa, q_rho, diag, d_rest, e_rest
 
 
-def two_step_value(p: torch.Tensor, q: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """α of the two-draw shaped rule: Σ c + Σ min(R, kappa). p, q [B, V], lam [B, 1] -> [B]."""
-    c, big_r, _, _, kappa = _parts(p, q, lam)
-    return c.sum(-1) + torch.minimum(big_r, kappa).sum(-1)
+def two_step_value(p: Tensor, q: Tensor, lam: Tensor) -> Tensor:
+    """Per-node α of the two-draw shaped rule: Σ c + Σ min(R, kappa) + Σ M[x, x]. p, q [B, V], lam [B, 1] -> [B]."""
+    c, big_r, _, _, kappa, _, diag, d_rest, e_rest = _transport(p, q, lam)
+    on_diag = diag + d_rest * e_rest / e_rest.sum(-1, keepdim=True).clamp(min=_TINY)
+    return c.sum(-1) + torch.minimum(big_r, kappa).sum(-1) + on_diag.sum(-1)
 
 
-def choose_lambda(p: torch.Tensor, q: torch.Tensor, grid: torch.Tensor = LAMBDA_GRID) -> torch.Tensor:
+def choose_lambda(p: Tensor, q: Tensor, grid: Tensor = LAMBDA_GRID) -> Tensor:
     """Per-row lam maximising the two-step value on `grid` (ties -> smallest lam). p, q [B, V] -> [B, 1]."""
     best_v = torch.full(p.shape[:1], -1.0, dtype=p.dtype, device=p.device)  # [B]
     best_l = torch.zeros(p.shape[:1], dtype=p.dtype, device=p.device)  # [B]
@@ -73,19 +84,14 @@ def choose_lambda(p: torch.Tensor, q: torch.Tensor, grid: torch.Tensor = LAMBDA_
     return best_l[:, None]
 
 
-def residual_after_reject(
-    p: torch.Tensor, q: torch.Tensor, lam: torch.Tensor, x: torch.Tensor
-) -> torch.Tensor:
+def residual_after_reject(p: Tensor, q: Tensor, lam: Tensor, x: Tensor) -> Tensor:
     """Row M[x, :] / r(x): the target residual after the shaped step rejected draw x.
     p, q [B, V], lam [B, 1], x [B] -> [B, V] (rows where x cannot be rejected return p unchanged)."""
-    _, big_r, r, s, kappa = _parts(p, q, lam)
-    rho = torch.where(kappa > 0, (big_r / kappa.clamp(min=_TINY)).clamp(max=1.0), torch.ones_like(big_r))
+    _, _, _, s, _, q_rho, diag, d_rest, e_rest = _transport(p, q, lam)
     xi = x[:, None]  # [B, 1]
-    k_row = s.gather(-1, xi) * q * rho  # [B, V] the overlap part of the row
-    k_row = k_row.scatter(-1, xi, 0.0)
-    d = (r.gather(-1, xi) - k_row.sum(-1, keepdim=True)).clamp(min=0.0)  # [B, 1] row deficit
-    e = (big_r - kappa).clamp(min=0.0)  # [B, V] column deficit
-    row = k_row + d * e / e.sum(-1, keepdim=True).clamp(min=_TINY)  # [B, V]
+    row = (s.gather(-1, xi) * q_rho).scatter(-1, xi, 0.0)  # [B, V] the part that meets the next draw
+    row = row.scatter_add(-1, xi, diag.gather(-1, xi))  # the part emitted as x itself at the end
+    row = row + d_rest.gather(-1, xi) * e_rest / e_rest.sum(-1, keepdim=True).clamp(min=_TINY)
     total = row.sum(-1, keepdim=True)
     return torch.where(total > 0, row / total.clamp(min=_TINY), p)
 
