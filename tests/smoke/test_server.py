@@ -423,3 +423,14 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
     assert generated < max_tokens  # the generation stopped early
     assert _metric(m, "resispec:num_requests_running") == 0
     assert time.time() - t0 < 20
+
+
+def test_bench_load_test_mode(server):
+    from resispec.serving.config import BenchConfig
+    from resispec.serving.loadtest import run_load_test
+
+    bench = BenchConfig(concurrency=4, num_requests=8, max_new_tokens=8, temperatures=[1.0])
+    res = run_load_test(server, PROMPTS, bench, api_key=KEY, show=False)
+    assert res.num_ok == 8 and res.num_failed == 0 and res.model == MODEL
+    assert res.completion_tokens <= 8 * 8 and res.tokens_per_second > 0
+    assert res.latency_p50 <= res.latency_p95 and res.server_tau is not None and res.server_tau >= 1.0
