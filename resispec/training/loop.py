@@ -288,7 +288,11 @@ def _distill(
         raise DistillConfigError(f"train.target_signal must be online or cached, got {train.target_signal!r}")
 
     if draft.adapter == "lora":
-        draft_model = _lora_wrap(draft_model, draft)
+        draft_model = _lora_wrap(draft_model, draft)  # peft keeps the adapter weights in float32
+    elif draft_model.dtype in (torch.bfloat16, torch.float16):
+        # full training keeps float32 master weights (AdamW updates vanish in bf16); the forward still runs in
+        # train.mixed_precision, and the exported draft is float32 (load it with draft.dtype=bfloat16 to serve)
+        draft_model.float()
     elif draft.adapter != "none":
         raise DistillConfigError(f"draft.adapter must be none or lora, got {draft.adapter!r}")
     draft_model.train()
