@@ -30,8 +30,9 @@ from resispec.losses import CLOSED_FORM_BRANCH, acceptance, fkl, process_logits
 Tensor = torch.Tensor
 
 
-def closed_form_rules() -> list[str]:
-    """Rules of resispec.verify whose acceptance has a closed form (the others raise NotImplementedError)."""
+def closed_form_rules(ns: list[int] | tuple[int, ...] = (1, 2, 4)) -> list[str]:
+    """Rules of resispec.verify whose acceptance has a closed form for every n in `ns` (the others raise
+    NotImplementedError: rsd and gumbel always, some rules above a given n)."""
     from resispec.verify import VERIFIERS
 
     p = torch.tensor([[0.6, 0.3, 0.1]])
@@ -39,7 +40,8 @@ def closed_form_rules() -> list[str]:
     rules = []
     for name in VERIFIERS:
         try:
-            VERIFIERS[name].acceptance(p, q, 2)
+            for n in ns:
+                VERIFIERS[name].acceptance(p, q, int(n))
         except NotImplementedError:
             continue
         rules.append(name)
@@ -119,7 +121,7 @@ def evaluate(
 ) -> dict:
     """Held-out alpha per rule and n, per-depth acceptance, simulated tau per rule, and mean fkl.
     Returns {"num_positions", "fkl", "alpha": {rule: {n: a}}, "per_depth": {rule: [a_d]}, "tau": {rule: t}}."""
-    rules = closed_form_rules() if rules is None else rules
+    rules = closed_form_rules(sorted(set(int(n) for n in decode.tree))) if rules is None else rules
     was_training = draft.training
     draft.eval()
     device = next(draft.parameters()).device

@@ -249,7 +249,7 @@ def _distill(
     eval_seqs = select_positions(_to_rows(eval_ds), train.eval_positions)
     if not eval_seqs:
         raise EmptyDatasetError("the held-out data has no response tokens (check data.num_eval_prompts)")
-    rules = closed_form_rules()
+    rules = closed_form_rules(sorted({int(n) for n in decode.tree}))
     pick_rule = eval_rule(decode.rule)
     if pick_rule not in rules:
         raise DistillConfigError(

@@ -69,9 +69,15 @@ def test_eval_on_identical_models_accepts_everything():
 
 
 def test_closed_form_rules_skip_the_sampled_ones():
-    rules = closed_form_rules()
+    rules = closed_form_rules([1, 2, 4])
     assert "resispec" in rules and "rrs" in rules
     assert "rsd" not in rules and "gumbel" not in rules
+    from resispec.verify import VERIFIERS
+
+    p, q = torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([[0.2, 0.3, 0.5]])
+    for rule in rules:  # every listed rule really has a closed form at every n asked for
+        for n in (1, 2, 4):
+            VERIFIERS[rule].acceptance(p, q, n)
 
 
 def test_select_positions_stops_at_the_budget():
