@@ -47,6 +47,7 @@ LAMBDA_GRID = torch.tensor(
     dtype=torch.float64,
 )
 _TINY = 1e-300
+LAMBDA_SEARCH_TOKENS = 512  # the lam search looks at this many tokens (largest p + q) per row
 
 
 def _transport(p: Tensor, q: Tensor, lam: Tensor):
@@ -72,8 +73,19 @@ def two_step_value(p: Tensor, q: Tensor, lam: Tensor) -> Tensor:
     return c.sum(-1) + torch.minimum(big_r, kappa).sum(-1) + on_diag.sum(-1)
 
 
-def choose_lambda(p: Tensor, q: Tensor, grid: Tensor = LAMBDA_GRID) -> Tensor:
-    """Per-row lam maximising the two-step value on `grid` (ties -> smallest lam). p, q [B, V] -> [B, 1]."""
+def choose_lambda(
+    p: Tensor, q: Tensor, grid: Tensor = LAMBDA_GRID, top: int = LAMBDA_SEARCH_TOKENS
+) -> Tensor:
+    """Per-row lam maximising the two-step value on `grid` (ties -> smallest lam). p, q [B, V] -> [B, 1].
+
+    With V > top the search looks only at the `top` tokens of largest p + q (renormalised): lam is then an
+    approximate maximiser, which costs a little acceptance and never exactness (any lam is exact). The n = 2
+    closed form evaluates the full vocabulary at the lam chosen here, so it stays the rule's exact α."""
+    if p.shape[-1] > top:
+        idx = (p + q).topk(top, dim=-1).indices  # [B, top]
+        p, q = p.gather(-1, idx), q.gather(-1, idx)
+        p = p / p.sum(-1, keepdim=True).clamp(min=_TINY)
+        q = q / q.sum(-1, keepdim=True).clamp(min=_TINY)
     best_v = torch.full(p.shape[:1], -1.0, dtype=p.dtype, device=p.device)  # [B]
     best_l = torch.zeros(p.shape[:1], dtype=p.dtype, device=p.device)  # [B]
     for lam in grid.tolist():  # a loop, not a [B, G, V] tensor: memory stays O(B V)
@@ -112,44 +124,50 @@ class ResiSpecWORRule:
         check_pair(p, proposal.q)
         draws = proposal.tokens  # [B, n]
         bsz, n = draws.shape
-        pc = p.double() / p.double().sum(-1, keepdim=True)  # [B, V] float64: exactness rests on identities
+        token = torch.full((bsz,), -1, dtype=torch.long, device=p.device)
+        u_all = uniform((bsz, n), p.double(), generator)  # [B, n]
+        rows = torch.arange(
+            bsz, device=p.device
+        )  # rows still undecided; the state below is kept for them only
+        pc = p.double() / p.double().sum(-1, keepdim=True)  # [R, V] float64: exactness rests on identities
         qc = proposal.q.double()
         qc = qc / qc.sum(-1, keepdim=True)
-        token = torch.full((bsz,), -1, dtype=torch.long, device=p.device)
-        active = torch.ones(bsz, dtype=torch.bool, device=p.device)
-        u_all = uniform((bsz, n), pc, generator)  # [B, n]
         for i in range(n):
-            x = draws[:, i]
-            xi = x.clamp_min(0)[:, None]  # [B, 1]
+            x = draws[rows, i]  # [R]
+            xi = x.clamp_min(0)[:, None]  # [R, 1]
             qx = torch.where(x >= 0, qc.gather(-1, xi)[:, 0], torch.zeros_like(pc[:, 0]))
             px = pc.gather(-1, xi)[:, 0]
             left = torch.minimum(
                 torch.full_like(x, n - i), (qc > 0).sum(-1)
             )  # real draws left, this one included
-            real = active & (qx > 0)  # an empty slot (past q's support) is no draw
+            real = qx > 0  # an empty slot (past q's support) is no draw
             shaped = real & (left >= 2)
             lam = choose_lambda(pc, qc) if bool(shaped.any()) else torch.zeros_like(pc[:, :1])
-            lam = torch.where(shaped[:, None], lam, torch.zeros_like(lam))  # [B, 1]
+            lam = torch.where(shaped[:, None], lam, torch.zeros_like(lam))  # [R, 1]
             safe_qx = torch.where(qx > 0, qx, torch.ones_like(qx))
             a_shaped = (px - lam[:, 0] * qx).clamp(min=0.0).minimum(qx) / safe_qx
             a_greedy = (px / safe_qx).clamp(max=1.0)
-            acc = real & (u_all[:, i] < torch.where(shaped, a_shaped, a_greedy))
-            token = torch.where(acc, x, token)
-            rej = real & ~acc
+            acc = real & (u_all[rows, i] < torch.where(shaped, a_shaped, a_greedy))
+            token[rows[acc]] = x[acc]
+            keep = ~acc
+            rows, pc, qc, x, xi, lam, shaped, real = (
+                t[keep] for t in (rows, pc, qc, x, xi, lam, shaped, real)
+            )
+            if rows.numel() == 0:
+                break
             greedy_res = (pc - qc).clamp(min=0.0)
             gsum = greedy_res.sum(-1, keepdim=True)
             greedy_res = torch.where(gsum > 0, greedy_res / gsum.clamp(min=_TINY), pc)
             new_p = torch.where(
                 shaped[:, None], residual_after_reject(pc, qc, lam, x.clamp_min(0)), greedy_res
             )
-            pc = torch.where(rej[:, None], new_p, pc)
+            pc = torch.where(real[:, None], new_p, pc)
             q_next = qc.scatter(-1, xi, 0.0)
             qsum = q_next.sum(-1, keepdim=True)
             q_next = torch.where(qsum > 0, q_next / qsum.clamp(min=_TINY), q_next)
-            qc = torch.where(rej[:, None], q_next, qc)
-            active = active & ~acc
-        fallback = sample_weights(pc.clamp(min=0.0), generator, p.double())
-        token = torch.where(active, fallback, token)
+            qc = torch.where(real[:, None], q_next, qc)
+        if rows.numel():
+            token[rows] = sample_weights(pc.clamp(min=0.0), generator, p[rows].double())
         return token, first_slot(draws, token)
 
     def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
