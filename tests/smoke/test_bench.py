@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_script_writes_report(micro_world, tmp_path):
-    world, _ = micro_world
+    world, paths = micro_world
     out = tmp_path / "bench"
     cmd = [
         sys.executable,
@@ -28,14 +28,16 @@ def test_bench_script_writes_report(micro_world, tmp_path):
         "logger.wandb.mode=offline",
         f"logger.wandb.dir={tmp_path}",
         f"hydra.run.dir={tmp_path / 'hydra'}",
+        f"+bench.drafts={{second: '{paths.draft_dir}'}}",  # a second draft (the same weights, loaded again)
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert {"report.md", "report.json", "speedup.png"} <= {p.name for p in out.iterdir()}
     rows = json.loads((out / "report.json").read_text())["rows"]
-    # per temperature: AR + 2 rules x 2 trees + HF assisted (chain 2)
-    assert len(rows) == 2 * (1 + 4 + 1)
+    # per temperature: AR + per draft (2 rules x 2 trees + HF assisted chain 2)
+    assert len(rows) == 2 * (1 + 2 * (4 + 1))
+    assert {r["draft"] for r in rows} == {"-", "draft", "second"}
     for t in (0.0, 1.0):
         at = [r for r in rows if r["temperature"] == t]
         assert [r["method"] for r in at].count("ar") == 1 and at[0]["speedup"] == 1.0
