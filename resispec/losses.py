@@ -159,8 +159,24 @@ def residual_rule(loss: LossConfig, decode: DecodeConfig) -> str:
 
 def residual_num_draws(loss: LossConfig, decode: DecodeConfig) -> int:
     """n for the residual loss: loss.num_draws, else the root's branching decode.tree[0] (the node with the most
-    candidates, where the rules differ most; deeper nodes of the default trees are chains, where they coincide)."""
+    candidates, where the rules differ most)."""
     return loss.num_draws or int(decode.tree[0])
+
+
+def residual_draws(loss: LossConfig, decode: DecodeConfig) -> list[tuple[int, float]]:
+    """(n, weight) pairs the residual loss averages alpha over. `loss.draws=root`: the root's n only.
+    `loss.draws=tree`: every depth d of the tree with weight depth_decay**d (normalised), grouped by n. Any
+    response position can sit at any depth of a future tree, and in the default [4, 2, 1, 1] half the depths are
+    one-draft chains, where alpha(n=4) says nothing about what gets accepted."""
+    if loss.draws == "root":
+        return [(residual_num_draws(loss, decode), 1.0)]
+    if loss.draws != "tree":
+        raise ValueError(f"loss.draws must be root or tree, got {loss.draws!r}")
+    weights: dict[int, float] = {}
+    for d, n in enumerate(decode.tree):
+        weights[int(n)] = weights.get(int(n), 0.0) + loss.depth_decay**d
+    total = sum(weights.values())
+    return [(n, w / total) for n, w in sorted(weights.items())]
 
 
 def acceptance(rule: str, p: Tensor, q: Tensor, n: int) -> Tensor:
@@ -177,7 +193,7 @@ def residual(
     log_q: Tensor,
     *,
     rule: str,
-    n: int,
+    n: int | list[tuple[int, float]],
     form: str,
     fkl_weight: float,
     served: tuple[Tensor, Tensor] | None = None,
@@ -185,9 +201,12 @@ def residual(
     """The residual loss per position [N]: plain 1 - alpha, `log` -log alpha (its gradient grows as alpha -> 0,
     where 1 - alpha's vanishes), `hybrid` 1 - alpha + fkl_weight * fkl (fkl keeps pulling q toward p's support
     where the acceptance gradient is flat), or `log_hybrid`. alpha is computed on `served` (the pair after the
-    decode top-k / top-p) when given, fkl always on the untruncated (log_p, log_q)."""
+    decode top-k / top-p) when given, fkl always on the untruncated (log_p, log_q). `n` is one draw count or
+    (n, weight) pairs whose weighted alpha is used (see residual_draws)."""
     sp, sq = served if served is not None else (log_p, log_q)
-    alpha = acceptance(rule, sp.exp(), sq.exp(), n)  # [N]
+    p, q = sp.exp(), sq.exp()
+    draws = [(n, 1.0)] if isinstance(n, int) else n
+    alpha = sum(w * acceptance(rule, p, q, k) for k, w in draws)  # [N]
     if form == "plain":
         return 1.0 - alpha
     if form == "log":
@@ -212,7 +231,7 @@ LOSSES: dict[str, PositionLoss] = {
     "residual": lambda full, served, c, d: residual(
         *full,
         rule=residual_rule(c, d),
-        n=residual_num_draws(c, d),
+        n=residual_draws(c, d),
         form=c.form,
         fkl_weight=c.fkl_weight,
         served=served,
@@ -228,7 +247,8 @@ def check_loss_config(loss: LossConfig, decode: DecodeConfig) -> None:
         rule = residual_rule(loss, decode)
         p = torch.tensor([[0.5, 0.5]])
         try:
-            acceptance(rule, p, p, residual_num_draws(loss, decode))
+            for n, _ in residual_draws(loss, decode):
+                acceptance(rule, p, p, n)
         except NotImplementedError as e:
             raise ValueError(
                 f"rule {rule!r} has no closed-form acceptance, so the residual loss cannot target it; "
@@ -266,7 +286,11 @@ def distill_loss(
     """Masked, weighted mean of the configured loss over the response positions. Returns (loss, stats)
     where stats carries the mean unweighted fkl for reference."""
     fn = LOSSES[loss.name]
-    weights = position_weights(loss_mask, loss.depth_decay, len(decode.tree))  # [B, T]
+    # with draws=tree the depth weights live inside the residual loss; positions then weigh the same
+    tree_weighted = loss.name == "residual" and loss.draws == "tree"
+    weights = position_weights(
+        loss_mask, 1.0 if tree_weighted else loss.depth_decay, len(decode.tree)
+    )  # [B, T]
     sel = loss_mask.bool()  # only the response positions are computed: they are all the loss needs
     q_logits = draft_logits[sel]  # [N, V]
     tgt = TargetSignal(target.values[sel], None if target.ids is None else target.ids[sel])

@@ -16,9 +16,13 @@ class LossConfig:
         "hybrid"  # plain (1 - alpha) | log (-log alpha) | hybrid (1 - alpha + fkl_weight * fkl) | log_hybrid
     )
     num_draws: int | None = None  # n for alpha_rule(p, q, n); null = decode.tree[0] (the root's branching)
+    draws: str = "root"  # root: alpha at n = num_draws | tree: mean of alpha(n_d) over the tree's depths d
     fkl_weight: float = 0.1
     jsd_beta: float = 0.5
-    depth_decay: float = 1.0  # weight of position t in a response = depth_decay ** (t mod len(tree)); 1 = off
+    depth_decay: float = (
+        1.0  # position t of a response weighs depth_decay ** (t mod len(tree)); with draws=tree
+    )
+    # depth d of the tree weighs depth_decay ** d instead (positions then all weigh 1); 1 = off
 
 
 @dataclass

@@ -19,6 +19,7 @@ from resispec.losses import (
     position_weights,
     process_logits,
     residual,
+    residual_draws,
     residual_num_draws,
     residual_rule,
     rkl,
@@ -104,6 +105,25 @@ def test_residual_rule_and_draws_come_from_decode():
     assert residual_rule(LossConfig(rule="kseq", num_draws=2), decode) == "kseq"
     assert residual_num_draws(LossConfig(num_draws=2), decode) == 2
     assert residual_rule(LossConfig(), DecodeConfig(rule="resispec_auto")) == "resispec"
+
+
+def test_tree_draws_average_alpha_over_the_depths():
+    decode = DecodeConfig(tree=[4, 2, 1, 1])
+    assert residual_draws(LossConfig(draws="tree"), decode) == [(1, 0.5), (2, 0.25), (4, 0.25)]
+    w = residual_draws(LossConfig(draws="tree", depth_decay=0.5), decode)  # depth weights 1, .5, .25, .125
+    assert w == pytest.approx([(1, 0.375 / 1.875), (2, 0.5 / 1.875), (4, 1 / 1.875)])
+    assert residual_draws(LossConfig(), decode) == [(4, 1.0)]
+    lp, lq = _logp(seed=20), _logp(seed=21)
+    from resispec.verify import VERIFIERS
+
+    rule = VERIFIERS["resispec"]
+    want = 1 - (
+        0.5 * rule.acceptance(lp.exp(), lq.exp(), 1)
+        + 0.25 * rule.acceptance(lp.exp(), lq.exp(), 2)
+        + 0.25 * rule.acceptance(lp.exp(), lq.exp(), 4)
+    )
+    got = residual(lp, lq, rule="resispec", n=[(1, 0.5), (2, 0.25), (4, 0.25)], form="plain", fkl_weight=0)
+    torch.testing.assert_close(got, want)
 
 
 def test_rule_without_closed_form_fails_early():
