@@ -127,6 +127,7 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self.num_waiting = 0
         self.num_running = 0
+        self._current: Job | None = None
         self._thread = threading.Thread(target=self._run, name="resispec-decode", daemon=True)
         self._thread.start()
 
@@ -141,7 +142,11 @@ class DecodeWorker:
         return job
 
     def close(self, timeout: float = 5.0) -> None:
+        """Stop after the running generation, which is cancelled (server shutdown)."""
         self._queue.put(None)
+        current = self._current
+        if current is not None:
+            current.cancel()
         self._thread.join(timeout)
 
     def _gauges(self) -> None:
@@ -157,6 +162,7 @@ class DecodeWorker:
             with self._lock:
                 self.num_waiting -= 1
                 self.num_running = 1
+                self._current = job
                 self._gauges()
             try:
                 if not job.cancelled.is_set():  # a client that left while queued costs nothing
@@ -167,6 +173,7 @@ class DecodeWorker:
             finally:
                 with self._lock:
                     self.num_running = 0
+                    self._current = None
                     self._gauges()
                 job._put(_DONE)
 
