@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # The chat fallback for tokenizers without a chat template (e.g. the embedded world's BPE tokenizer): one line per
-# message, "<role>: <content>", then "assistant:" for the model to continue. Documented in README (serving).
+# message, "<role>: <content>", then "assistant:" for the model to continue.
 FALLBACK_CHAT_SEPARATOR = "\n"
 
 
