@@ -1,0 +1,46 @@
+"""Model loading (HF hub names, local paths, the embedded tiny world), the tiny Llama factory and tokenizer."""
+
+from resispec.models.config import LoraConfig, ModelConfig, PretrainConfig, SizeConfig, WorldConfig
+from resispec.models.factory import make_llama, train_bpe_tokenizer
+from resispec.models.loading import (
+    ModelNotFoundError,
+    TokenizerMismatchError,
+    check_same_tokenizer,
+    load_model,
+    load_pair,
+    load_tokenizer,
+    resolve_device,
+    resolve_model_path,
+)
+from resispec.models.world import (
+    WorldPaths,
+    cache_root,
+    config_hash,
+    ensure_world,
+    format_report,
+    stdlib_splits,
+)
+
+__all__ = [
+    "LoraConfig",
+    "ModelConfig",
+    "ModelNotFoundError",
+    "PretrainConfig",
+    "SizeConfig",
+    "TokenizerMismatchError",
+    "WorldConfig",
+    "WorldPaths",
+    "cache_root",
+    "check_same_tokenizer",
+    "config_hash",
+    "ensure_world",
+    "format_report",
+    "load_model",
+    "load_pair",
+    "load_tokenizer",
+    "make_llama",
+    "resolve_device",
+    "resolve_model_path",
+    "stdlib_splits",
+    "train_bpe_tokenizer",
+]

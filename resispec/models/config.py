@@ -64,8 +64,23 @@ class WorldConfig:
     max_position_embeddings: int = 1024
     max_files: int | None = None  # limit the stdlib files read (micro world)
     seed: int = 0
+    num_threads: int | None = None  # torch threads while building; None = torch's default (all cores)
     target: SizeConfig = field(default_factory=SizeConfig)
-    draft: SizeConfig = field(default_factory=lambda: SizeConfig(hidden_size=96, num_layers=1, num_heads=2,
-                                                                 num_kv_heads=2, intermediate_size=384))
-    target_train: PretrainConfig = field(default_factory=PretrainConfig)
-    draft_train: PretrainConfig = field(default_factory=lambda: PretrainConfig(max_steps=150, max_minutes=1.0))
+    draft: SizeConfig = field(
+        default_factory=lambda: SizeConfig(
+            hidden_size=96, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=384
+        )
+    )
+    # Target: trained at `target` size, then (grow_factor > 1) deepened by block expansion: every trained layer is
+    # followed by grow_factor - 1 copies whose output projections start at zero, so the deeper model computes the
+    # same function and costs grow_factor x per token; `target_grow_train` then trains all layers briefly.
+    grow_factor: int = 3
+    target_train: PretrainConfig = field(
+        default_factory=lambda: PretrainConfig(max_steps=450, max_minutes=30.0)
+    )
+    target_grow_train: PretrainConfig = field(
+        default_factory=lambda: PretrainConfig(max_steps=60, max_minutes=8.0, lr=1e-3, warmup_steps=10)
+    )
+    draft_train: PretrainConfig = field(
+        default_factory=lambda: PretrainConfig(max_steps=200, max_minutes=4.0, warmup_steps=20)
+    )

@@ -1,0 +1,193 @@
+"""Target regeneration: the target's own responses to a prompt set (on-policy data), cached as a `datasets`
+dataset with metadata (target id, weight fingerprint, sampling settings, prompt-set hash)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+
+from resispec.data.config import DataConfig, RegenConfig
+from resispec.models.config import WorldConfig
+
+REGEN_FORMAT = 1
+
+
+def prompt_set_hash(prompts: datasets.Dataset) -> str:
+    """Hash of every prompt's token ids, in order."""
+    h = hashlib.sha256()
+    for ids in prompts["prompt_ids"]:
+        h.update(json.dumps(list(ids)).encode())
+        h.update(b";")
+    return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def weights_fingerprint(model: torch.nn.Module, numel: int = 4096) -> str:
+    """Cheap fingerprint of a model's weights: names, shapes and the first values of every tensor.
+
+    Catches a retrained checkpoint at the same path, which the path alone would not."""
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(p.detach().flatten()[:numel].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _generate_batch(
+    target, prompt_lists: list[list[int]], regen: RegenConfig, pad_id: int, eos_id: int | None
+):
+    """Left-padded batched sampling with HF generate. -> responses, each cut after its first eos."""
+    device = next(target.parameters()).device
+    width = max(len(p) for p in prompt_lists)
+    input_ids = torch.full((len(prompt_lists), width), pad_id, dtype=torch.long)  # [B, P]
+    attention_mask = torch.zeros_like(input_ids)  # [B, P]
+    for i, ids in enumerate(prompt_lists):
+        input_ids[i, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[i, width - len(ids) :] = 1
+    greedy = regen.temperature <= 0
+    kwargs = (
+        {}
+        if greedy
+        else {"temperature": regen.temperature, "top_p": regen.top_p, "top_k": regen.top_k or None}
+    )
+    out = target.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        do_sample=not greedy,
+        max_new_tokens=regen.max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        **kwargs,
+    )  # [B, P + new]
+    responses = []
+    for row in out[:, width:].tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[: row.index(eos_id) + 1]  # keep eos: the draft must learn to stop too
+        elif pad_id != eos_id:
+            while row and row[-1] == pad_id:
+                row.pop()
+        responses.append(row)
+    return responses
+
+
+def regenerate(
+    target,
+    tokenizer,
+    prompts: datasets.Dataset,
+    regen: RegenConfig,
+    cache_dir: str | Path,
+    accelerator=None,
+    target_id: str = "",
+    progress: bool = True,
+) -> datasets.Dataset:
+    """Responses of the target to every prompt -> Dataset(prompt_ids, response_ids), cached under cache_dir.
+
+    The cache key covers the target (id + weight fingerprint), the sampling settings and the prompt-set hash, so
+    a cached set is reused only when nothing changed. Under accelerate the prompts are split across processes,
+    gathered, and saved by the main process. Batches are seeded from regen.seed and their first prompt's index."""
+    meta = {
+        "format": REGEN_FORMAT,
+        "target_id": target_id or str(getattr(target.config, "_name_or_path", "")),
+        "weights": weights_fingerprint(target),
+        "regen": asdict(regen),
+        "prompt_set_hash": prompt_set_hash(prompts),
+        "num_prompts": len(prompts),
+    }
+    key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
+    folder = Path(cache_dir).expanduser() / f"regen-{key}"
+    if (folder / "meta.json").exists():
+        return datasets.load_from_disk(str(folder / "dataset"))
+
+    is_main = accelerator is None or accelerator.is_main_process
+    indices = list(range(len(prompts)))
+    if accelerator is not None and accelerator.num_processes > 1:
+        with accelerator.split_between_processes(indices) as mine:
+            indices = list(mine)
+    prompt_ids = prompts["prompt_ids"]
+    order = sorted(indices, key=lambda i: -len(prompt_ids[i]))  # similar lengths share a batch: less padding
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    results: list[tuple[int, list[int]]] = []
+    start = time.perf_counter()
+    bar = tqdm(total=len(order), desc="regenerate", disable=not (progress and is_main), dynamic_ncols=True)
+    for b in range(0, len(order), regen.batch_size):
+        batch = order[b : b + regen.batch_size]
+        torch.manual_seed(regen.seed * 1_000_003 + batch[0])
+        responses = _generate_batch(
+            target, [list(prompt_ids[i]) for i in batch], regen, pad_id, tokenizer.eos_token_id
+        )
+        results.extend(zip(batch, responses, strict=True))
+        bar.update(len(batch))
+    bar.close()
+    if accelerator is not None and accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        results = gather_object(results)
+    results = sorted(results, key=lambda r: r[0])
+    seconds = time.perf_counter() - start
+    if is_main:
+        out = datasets.Dataset.from_dict(
+            {"prompt_ids": [list(prompt_ids[i]) for i, _ in results], "response_ids": [r for _, r in results]}
+        )
+        tmp = folder.parent / f"{folder.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        out.save_to_disk(str(tmp / "dataset"))
+        record = {
+            **meta,
+            "seconds": round(seconds, 1),
+            "num_processes": accelerator.num_processes if accelerator is not None else 1,
+            "response_tokens": int(sum(len(r) for _, r in results)),
+        }
+        (tmp / "meta.json").write_text(json.dumps(record, indent=2))
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return datasets.load_from_disk(str(folder / "dataset"))
+
+
+def data_cache_dir(data: DataConfig, world: WorldConfig | None = None) -> Path:
+    """data.cache_dir, else `<world cache>/data`."""
+    if data.cache_dir:
+        return Path(data.cache_dir).expanduser()
+    from resispec.models.world import cache_root
+
+    return cache_root(world) / "data"
+
+
+def ensure_regenerated(
+    data: DataConfig,
+    target,
+    tokenizer,
+    split: str = "train",
+    world: WorldConfig | None = None,
+    accelerator=None,
+    target_id: str = "",
+    progress: bool = True,
+) -> datasets.Dataset:
+    """Prompts of a split with responses: the target's (data.responses = regenerate, cached) or the source's own
+    (data.responses = fixed). -> Dataset(prompt_ids, response_ids)."""
+    from resispec.data.prompts import load_prompts
+
+    prompts = load_prompts(data, tokenizer, split, world)
+    if data.responses == "fixed":
+        if "reference_ids" not in prompts.column_names:
+            raise ValueError(f"data.responses=fixed but source {data.source!r} has no responses")
+        out = prompts.rename_column("reference_ids", "response_ids")
+        out = out.select_columns(["prompt_ids", "response_ids"])
+        return out.filter(lambda r: len(r["response_ids"]) > 0)
+    if data.responses != "regenerate":
+        raise ValueError(f"data.responses must be regenerate or fixed, got {data.responses!r}")
+    prompts = prompts.select_columns(["prompt_ids"])
+    return regenerate(
+        target, tokenizer, prompts, data.regen, data_cache_dir(data, world), accelerator, target_id, progress
+    )

@@ -1,0 +1,171 @@
+"""Pretraining and measuring the tiny world's models: a causal-LM loop over a token stream, held-out loss,
+a unigram baseline, per-token forward time with a KV cache, and generated samples."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from resispec.models.config import PretrainConfig
+
+
+def lr_factor(step: int, progress: float, warmup_steps: int, floor: float = 0.1) -> float:
+    """Linear warmup, then cosine decay to `floor` over progress in [0, 1].
+
+    Progress is max(step / max_steps, elapsed / max_minutes), so a run cut short by the time budget still
+    ends its schedule at the low learning rate instead of mid-way."""
+    warm = min(1.0, (step + 1) / max(1, warmup_steps))
+    cos = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return warm * (floor + (1.0 - floor) * cos)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only (not norms, not the tied embedding), as usual for LMs."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def sample_windows(
+    stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator
+) -> torch.Tensor:
+    """Random windows of a token stream. -> [B, T] long."""
+    starts = rng.integers(0, len(stream) - seq_len, size=batch_size)
+    return torch.from_numpy(np.stack([stream[s : s + seq_len] for s in starts]).astype(np.int64))
+
+
+def train_lm(
+    model: torch.nn.Module,
+    train_ids: np.ndarray,  # [N] int32 token stream
+    cfg: PretrainConfig,
+    seed: int,
+    desc: str = "train",
+    progress: bool = True,
+) -> dict:
+    """Train a causal LM on random windows of `train_ids` until max_steps or max_minutes. Returns stats."""
+    model.train()
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    seq_len = min(cfg.seq_len, len(train_ids) - 1)
+    budget_s = cfg.max_minutes * 60.0
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.max_steps, desc=desc, disable=not progress, dynamic_ncols=True)
+    step, ema = 0, None
+    while step < cfg.max_steps:
+        elapsed = time.perf_counter() - start
+        done = max(step / cfg.max_steps, elapsed / budget_s if budget_s > 0 else 0.0)
+        if done >= 1.0:
+            break
+        scale = lr_factor(step, done, cfg.warmup_steps)
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * scale
+        input_ids = sample_windows(train_ids, cfg.batch_size, seq_len, rng)  # [B, T]
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}", lr=f"{cfg.lr * scale:.1e}")
+    bar.close()
+    seconds = time.perf_counter() - start
+    model.eval()
+    tokens = step * cfg.batch_size * seq_len
+    return {
+        "steps": step,
+        "train_seconds": round(seconds, 1),
+        "train_tokens": tokens,
+        "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+        "final_train_loss_ema": round(float(ema), 4) if ema is not None else None,
+        "stopped_by": "steps" if step >= cfg.max_steps else "time",
+    }
+
+
+def eval_windows(stream: np.ndarray, seq_len: int, max_windows: int) -> torch.Tensor:
+    """Non-overlapping windows spread evenly over a held-out stream (deterministic). -> [W, T] long."""
+    seq_len = min(seq_len, len(stream))
+    total = len(stream) // seq_len
+    picks = np.linspace(0, total - 1, num=min(total, max_windows)).round().astype(int)
+    picks = np.unique(picks)
+    return torch.from_numpy(
+        np.stack([stream[i * seq_len : (i + 1) * seq_len] for i in picks]).astype(np.int64)
+    )
+
+
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean next-token cross-entropy (nats) over every predicted position of the windows [W, T]."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        ids = windows[i : i + batch_size]  # [b, T]
+        logits = model(input_ids=ids).logits[:, :-1].float()  # [b, T-1, V]
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+        total += nll.item()
+        count += ids[:, 1:].numel()
+    return total / count
+
+
+def unigram_loss(train_ids: np.ndarray, windows: torch.Tensor, vocab_size: int) -> float:
+    """Cross-entropy of an add-one unigram model of the train stream on the same predicted positions."""
+    counts = np.bincount(train_ids, minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    targets = windows[:, 1:].numpy().ravel()
+    return float(-logp[targets].mean())
+
+
+@torch.no_grad()
+def forward_ms(
+    model: torch.nn.Module, vocab_size: int, prefix_len: int = 256, reps: int = 30, seed: int = 0
+) -> float:
+    """Median ms of one forward pass for 1 new token, batch 1, with `prefix_len` tokens already in the KV cache."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    prefix_len = min(prefix_len, model.config.max_position_embeddings - reps - 8)
+    ids = torch.randint(0, vocab_size, (1, prefix_len), generator=gen)  # [1, P]
+    out = model(input_ids=ids, use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    times = []
+    for _ in range(reps + 3):
+        nxt = torch.randint(0, vocab_size, (1, 1), generator=gen)  # [1, 1]
+        t0 = time.perf_counter()
+        out = model(input_ids=nxt, cache=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+        cache = getattr(out, "cache", None) or out.past_key_values
+    return float(np.median(times[3:]) * 1e3)  # the first calls warm up allocator and kernels
+
+
+@torch.no_grad()
+def generate_samples(
+    model, tokenizer, prompts: list[list[int]], max_new_tokens: int, seed: int
+) -> list[dict]:
+    """Sampled continuations (temperature 0.8) of a few prompts, decoded, for the log and the report."""
+    torch.manual_seed(seed)
+    samples = []
+    for ids in prompts:
+        input_ids = torch.tensor([ids])  # [1, P]
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=True,
+            temperature=0.8,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )  # [1, P + new]
+        samples.append(
+            {
+                "prompt": tokenizer.decode(ids, skip_special_tokens=True),
+                "continuation": tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True),
+            }
+        )
+    return samples
