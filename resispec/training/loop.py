@@ -257,8 +257,13 @@ def _distill(
         )
 
     if train.target_signal == "cached":
-        key = cache_key(target.path, packed._fingerprint, train.cached_top_k, decode.temperature)
-        cache_path = _cache_root(world, data) / "target_topk" / key
+        from resispec.data import data_cache_dir
+        from resispec.models import resolve_model_path
+
+        # the resolved path names the world build (its config hash) for world:target
+        target_id = resolve_model_path(target.path, world)
+        key = cache_key(target_id, packed._fingerprint, train.cached_top_k, decode.temperature)
+        cache_path = data_cache_dir(data, world) / "target_topk" / key
         if is_main:
             build_cache(
                 target_model,
@@ -287,14 +292,14 @@ def _distill(
     elif train.target_signal != "online":
         raise DistillConfigError(f"train.target_signal must be online or cached, got {train.target_signal!r}")
 
+    if draft.adapter not in ("none", "lora"):
+        raise DistillConfigError(f"draft.adapter must be none or lora, got {draft.adapter!r}")
     if draft.adapter == "lora":
         draft_model = _lora_wrap(draft_model, draft)  # peft keeps the adapter weights in float32
     elif draft_model.dtype in (torch.bfloat16, torch.float16):
         # full training keeps float32 master weights (AdamW updates vanish in bf16); the forward still runs in
         # train.mixed_precision, and the exported draft is float32 (load it with draft.dtype=bfloat16 to serve)
         draft_model.float()
-    elif draft.adapter != "none":
-        raise DistillConfigError(f"draft.adapter must be none or lora, got {draft.adapter!r}")
     draft_model.train()
     params = [p for p in draft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -457,15 +462,6 @@ def _broadcast_str(accelerator, value: str) -> str:
     box = [value]
     broadcast_object_list(box, from_process=0)
     return box[0]
-
-
-def _cache_root(world: WorldConfig, data: DataConfig) -> Path:
-    import os
-
-    if data.cache_dir:
-        return Path(data.cache_dir)
-    base = world.cache_dir or os.environ.get("RESISPEC_CACHE") or str(Path.home() / ".cache" / "resispec")
-    return Path(base) / f"{world.name}-distill"
 
 
 def _read_json(path: Path) -> dict | None:
