@@ -96,7 +96,7 @@ def node_pairs(target_logits: Tensor, draft_logits: Tensor, temperature: float) 
 # ---------------------------------------------------------------------------------------------- bounds
 
 
-def wor_prefix_bound(p: Tensor, q: Tensor, n: int, grid_size: int = 96) -> Tensor:
+def wor_prefix_bound(p: Tensor, q: Tensor, n: int, grid_size: int = 400) -> Tensor:
     """Upper bound on α*_wor [N]: min over prefixes H of the tokens sorted by increasing p/q of
     p(H) + 1 - P(all n distinct draws lie in H). n = 2: P = q(H) Σ_H q/(1-q) - Σ_H q²/(1-q) exactly.
     n > 2: P by exponential races (draws without replacement = order of arrival of clocks with rates q),
@@ -117,19 +117,18 @@ def wor_prefix_bound(p: Tensor, q: Tensor, n: int, grid_size: int = 96) -> Tenso
             p.shape[0], grid_size, n + 1, dtype=torch.float64
         )  # P(count = j), j = n means >= n
         state[..., 0] = 1.0
-        f = torch.empty(p.shape[0], p.shape[1], grid_size, dtype=torch.float64)  # [N, V, G] P(>= n arrived)
+        q_out = (1 - torch.cumsum(q_s, -1)).clamp_min(0)  # [N, V] q(H^c)
+        inside = torch.ones_like(p_s)  # [N, V]; H = support (q(H^c) = 0): always inside
         for k in range(p.shape[1]):
             arrived = -torch.expm1(-q_s[:, k, None] * u)  # [N, G]
             moved = state[..., :n] * arrived[..., None]  # [N, G, n]
             state = state.clone()
             state[..., :n] -= moved
             state[..., 1:] += moved
-            f[:, k] = state[..., n]
-        q_out = (1 - torch.cumsum(q_s, -1)).clamp_min(0)  # [N, V] q(H^c)
-        cdf = -torch.expm1(-q_out[..., None] * u)  # [N, V, G]
-        step = torch.diff(cdf, dim=-1, append=torch.ones_like(cdf[..., :1]))  # mass of [u_g, u_{g+1})
-        inside = (f * step).sum(-1).clamp(0, 1)
-        inside = torch.where(q_out > 0, inside, torch.ones_like(inside))  # H = support: always inside
+            cdf = -torch.expm1(-q_out[:, k, None] * u)  # [N, G] law of the first arrival outside H
+            step = torch.diff(cdf, dim=-1, append=torch.ones_like(cdf[:, :1]))  # mass of [u_g, u_{g+1})
+            lower = (state[..., n] * step).sum(-1).clamp(0, 1)  # left end: the integrand increases in u
+            inside[:, k] = torch.where(q_out[:, k] > 0, lower, inside[:, k])
     vals = p_h + 1 - inside
     return torch.minimum(vals.min(-1).values, torch.ones_like(vals[:, 0]))
 
@@ -153,7 +152,13 @@ def monte_carlo_alpha(
 
 
 def per_node_alpha(
-    p: Tensor, q: Tensor, n: int, rules: list[str], samples: int, generator: torch.Generator
+    p: Tensor,
+    q: Tensor,
+    n: int,
+    rules: list[str],
+    samples: int,
+    generator: torch.Generator,
+    bounds: bool = True,
 ) -> dict[str, dict]:
     """{rule: {"alpha": [N], "se": [N], "method": "closed form" | "monte carlo"}} plus the two bounds."""
     out: dict[str, dict] = {}
@@ -165,6 +170,8 @@ def per_node_alpha(
         except NotImplementedError:
             alpha, se = monte_carlo_alpha(rule, p, q, n, samples, generator)
             out[name] = {"alpha": alpha, "se": se, "method": "monte carlo"}
+    if not bounds:
+        return out
     iid = optimal_acceptance(p, q, n, scheme="iid").double()
     out["alpha*_iid"] = {"alpha": iid, "se": torch.zeros_like(iid), "method": "exact bound"}
     wor = wor_prefix_bound(p, q, n)
@@ -289,7 +296,9 @@ def plot(summary: dict, rules: list[str], temperatures, draws, path: Path) -> No
 # ---------------------------------------------------------------------------------------------- main
 
 
-def evaluate_split(target_logits, draft_logits, temperatures, draws, rules, samples, seed, progress) -> dict:
+def evaluate_split(
+    target_logits, draft_logits, temperatures, draws, rules, samples, seed, progress, bounds=True
+) -> dict:
     """{(T, n): {"per_node": ..., "feature": max q [N]}} for one split."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -297,7 +306,7 @@ def evaluate_split(target_logits, draft_logits, temperatures, draws, rules, samp
         p, q = node_pairs(target_logits, draft_logits, t)
         for n in draws:
             out[(t, n)] = {
-                "per_node": per_node_alpha(p, q, n, rules, samples, gen),
+                "per_node": per_node_alpha(p, q, n, rules, samples, gen, bounds),
                 "feature": confidence_feature(q, "max_q"),
             }
             progress.update(1)
@@ -323,21 +332,34 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     splits = stdlib_splits(cfg.world)
     rules = [r for r in (args.rules or sorted(VERIFIERS)) if r != AUTO]
     temperatures, draws = list(args.temperatures), list(args.draws)
-    num_windows = math.ceil(args.positions / args.per_window)
     logged = {}
-    for split in (args.calibration_split, args.eval_split):
-        wins = token_windows(tokenizer, splits[split], num_windows, args.window, args.min_context)
+    for split, num in (
+        (args.calibration_split, args.calibration_positions or args.positions),
+        (args.eval_split, args.positions),
+    ):
+        wins = token_windows(
+            tokenizer, splits[split], math.ceil(num / args.per_window), args.window, args.min_context
+        )
         lt, ld = collect_logits(target, draft, wins, args.per_window, args.min_context, args.seed)
-        logged[split] = (lt[: args.positions], ld[: args.positions])
+        logged[split] = (lt[:num], ld[:num])
+    candidates = [c for c in args.candidates if c in rules]
+    calib_rules = [r for r in rules if r == "resispec" or r in candidates]
     t0 = time.time()
     with tqdm(total=2 * len(temperatures) * len(draws), desc="alpha per rule") as bar:
         calib = evaluate_split(
-            *logged[args.calibration_split], temperatures, draws, rules, args.samples, args.seed, bar
+            *logged[args.calibration_split],
+            temperatures,
+            draws,
+            calib_rules,
+            args.samples,
+            args.seed,
+            bar,
+            False,
         )
         test = evaluate_split(
             *logged[args.eval_split], temperatures, draws, rules, args.samples, args.seed + 1, bar
         )
-    policy = calibrate_policy(calib, draws)
+    policy = calibrate_policy(calib, draws, candidates=tuple(candidates))
     summary, branch_share = {}, {}
     for (t, n), r in test.items():
         per_node = dict(r["per_node"])
@@ -398,10 +420,17 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     )
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/bench.yaml, e.g. +recipe=debug")
     ap.add_argument("--positions", type=int, default=120, help="held-out positions per split")
+    ap.add_argument("--calibration-positions", type=int, default=None, help="default: --positions")
+    ap.add_argument(
+        "--candidates",
+        nargs="+",
+        default=list(DISTINCT_CANDIDATES),
+        help="distinct rules auto may calibrate to",
+    )
     ap.add_argument("--per-window", type=int, default=4, help="positions per text window")
     ap.add_argument("--window", type=int, default=192, help="tokens per window")
     ap.add_argument("--min-context", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=400, help="Monte Carlo runs per node")
+    ap.add_argument("--samples", type=int, default=100, help="Monte Carlo runs per node")
     ap.add_argument("--temperatures", type=float, nargs="+", default=list(DEFAULT_TEMPERATURES))
     ap.add_argument("--draws", type=int, nargs="+", default=list(DEFAULT_DRAWS))
     ap.add_argument("--rules", nargs="+", default=None, help="default: every rule in VERIFIERS")
