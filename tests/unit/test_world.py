@@ -1,0 +1,101 @@
+"""The embedded tiny world: deterministic disjoint splits, the config-hash cache, the micro world built in the run."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from resispec.models import (
+    ModelConfig,
+    WorldConfig,
+    cache_root,
+    config_hash,
+    ensure_world,
+    load_pair,
+    resolve_model_path,
+    stdlib_splits,
+)
+from resispec.models.world import SPLITS, split_of, stdlib_split_files
+
+
+def test_splits_are_deterministic_disjoint_and_by_module():
+    world = WorldConfig()
+    a, b = stdlib_split_files(world), stdlib_split_files(world)
+    assert {s: [k for k, _ in v] for s, v in a.items()} == {s: [k for k, _ in v] for s, v in b.items()}
+    keys = {s: {k for k, _ in v} for s, v in a.items()}
+    assert all(keys[s] for s in SPLITS)
+    assert not (
+        keys["train"] & keys["validation"]
+        or keys["train"] & keys["test"]
+        or keys["validation"] & keys["test"]
+    )
+    assert all(split_of(k) == s for s in SPLITS for k in keys[s])
+    assert not any("/test/" in f"/{k}" or k.startswith("site-packages") for s in SPLITS for k in keys[s])
+    # roughly 90/5/5 by module count (the split is a hash, so only loosely)
+    total = sum(len(v) for v in keys.values())
+    assert len(keys["train"]) > 0.8 * total
+
+
+def test_stdlib_splits_texts_and_max_files():
+    texts = stdlib_splits(WorldConfig(max_files=40))
+    assert sum(len(v) for v in texts.values()) == 40
+    assert (
+        all(isinstance(t, str) for v in texts.values() for t in v) and sum(map(len, texts["train"])) > 10_000
+    )
+
+
+def test_config_hash_and_cache_root(monkeypatch, tmp_path):
+    world = WorldConfig()
+    assert config_hash(world) == config_hash(replace(world, cache_dir="/elsewhere", num_threads=1))
+    assert config_hash(world) != config_hash(replace(world, vocab_size=4096))
+    monkeypatch.setenv("RESISPEC_CACHE", str(tmp_path / "env"))
+    assert cache_root(world) == tmp_path / "env"
+    assert cache_root(replace(world, cache_dir=str(tmp_path / "cfg"))) == tmp_path / "cfg"
+    monkeypatch.delenv("RESISPEC_CACHE")
+    assert str(cache_root(world)).endswith(".cache/resispec")
+
+
+def test_micro_world_is_a_real_lm(micro_world):
+    world, paths = micro_world
+    assert paths.root.name == f"{world.name}-{config_hash(world)}"
+    report = json.loads((paths.root / "report.json").read_text())
+    assert report == paths.report
+    # a real LM: the target beats the unigram baseline and the briefly trained draft on held-out modules
+    assert report["target_loss"] < report["unigram_loss"] - 0.3
+    assert report["target_loss"] < report["draft_loss"]
+    assert report["target"]["params"] > 2 * report["draft"]["params"]
+    assert report["target_ms"] > 0 and report["draft_ms"] > 0
+    assert len(report["samples"]) == 3
+    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
+    assert tok.bos_token and tok.eos_token and tok.pad_token and len(tok) == world.vocab_size
+
+
+def test_micro_world_cache_hit_and_loading(micro_world):
+    world, paths = micro_world
+    start = time.perf_counter()
+    again = ensure_world(world, progress=False)
+    assert again.root == paths.root and time.perf_counter() - start < 2.0  # cached: nothing rebuilt
+    assert resolve_model_path("world:target", world) == str(paths.target_dir)
+    target, draft, tok = load_pair(
+        ModelConfig(path="world:target", device="cpu"), ModelConfig(path="world:draft", device="cpu"), world
+    )
+    ids = tok("def main():", return_tensors="pt")["input_ids"]  # [1, T]
+    with torch.no_grad():
+        assert (
+            target(input_ids=ids).logits.shape
+            == draft(input_ids=ids).logits.shape
+            == (1, ids.shape[1], len(tok))
+        )
+
+
+@pytest.mark.parametrize("bad", ["world:nonsense"])
+def test_unknown_world_name(bad, micro_world):
+    from resispec.models import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError):
+        resolve_model_path(bad, micro_world[0])
