@@ -138,7 +138,7 @@ class SpeculativeDecoder:
         )
         self.last_stats = stats
         return self._emit(
-            steps(prompt, settings, generator, stats),
+            steps(prompt, settings, generator, stats, max_new_tokens),
             max_new_tokens,
             normalize_eos(eos_token_id),
             checkers,
@@ -211,7 +211,7 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ autoregressive baseline
     @torch.inference_mode()  # torch wraps each resume of a generator, so the consumer is unaffected
-    def _ar_steps(self, prompt, settings, generator, stats) -> Iterator[list[int]]:
+    def _ar_steps(self, prompt, settings, generator, stats, max_new_tokens) -> Iterator[list[int]]:
         cache = self._prefill_target(prompt, stats)
         pos, root = len(prompt) - 1, prompt[-1]
         greedy = settings["temperature"] <= 0.0
@@ -233,7 +233,7 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ speculative steps
     @torch.inference_mode()
-    def _spec_steps(self, prompt, settings, generator, stats) -> Iterator[list[int]]:
+    def _spec_steps(self, prompt, settings, generator, stats, max_new_tokens) -> Iterator[list[int]]:
         dev, rule, shape = self.device, self.rule, self.shape
         depth_max = len(shape)
         greedy = settings["temperature"] <= 0.0
@@ -245,37 +245,41 @@ class SpeculativeDecoder:
         pending = list(prompt)  # committed tokens not yet in the draft cache (the draft prefill is folded in)
         root = prompt[-1]
         committed = list(prompt)  # only kept up to date for the after_step hook
+        remaining = max_new_tokens
         while True:
             # ---- draft phase: one forward per depth
             self._sync()
             t0 = time.perf_counter()
             tree = DraftTree(root, self.max_nodes)
-            start = cache_length(dcache)
-            pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
-            ids = torch.tensor([pending], device=dev)
-            logits = forward_logits(self._draft_fwd, ids, dcache, pos, logits_to_keep=1)  # [1, 1, V]
-            q = self._probs(logits[0], settings)  # [1, V]
             proposals = []
             fed_depth = 0  # deepest level the draft has processed (its cache holds levels 1..fed_depth)
-            for depth in range(1, depth_max + 1):
-                proposal = rule.propose(q, shape[depth - 1], generator)
-                level = tree.add_level(proposal.tokens.tolist())  # one host sync per depth
-                if len(level) == 0:
-                    break
-                proposals.append(proposal)
-                if depth == depth_max:
-                    break
-                block = tree.mask(level, range(1, level.stop)).to(dev)  # [n_d, nodes so far]
-                mask = tree_attention_mask(num_committed, block, draft_mask_dtype)
-                ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
-                pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
-                logits = forward_logits(self._draft_fwd, ids, dcache, pos, mask)  # [1, n_d, V]
-                q = self._probs(logits[0], settings)  # [n_d, V]
-                fed_depth = depth
+            # never draft deeper than can be emitted: with r tokens left, r - 1 drafts plus the bonus token
+            depth_lim = min(depth_max, remaining - 1)
+            if depth_lim > 0:
+                start = cache_length(dcache)
+                pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
+                ids = torch.tensor([pending], device=dev)
+                logits = forward_logits(self._draft_fwd, ids, dcache, pos, logits_to_keep=1)  # [1, 1, V]
+                q = self._probs(logits[0], settings)  # [1, V]
+                for depth in range(1, depth_lim + 1):
+                    proposal = rule.propose(q, shape[depth - 1], generator)
+                    level = tree.add_level(proposal.tokens.tolist())  # one host sync per depth
+                    if len(level) == 0:
+                        break
+                    proposals.append(proposal)
+                    if depth == depth_lim:
+                        break
+                    block = tree.mask(level, range(1, level.stop)).to(dev)  # [n_d, nodes so far]
+                    mask = tree_attention_mask(num_committed, block, draft_mask_dtype)
+                    ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
+                    pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
+                    logits = forward_logits(self._draft_fwd, ids, dcache, pos, mask)  # [1, n_d, V]
+                    q = self._probs(logits[0], settings)  # [n_d, V]
+                    fed_depth = depth
             self._sync()
             t1 = time.perf_counter()
             stats.draft_seconds += t1 - t0
-            stats.draft_forwards += 1 + fed_depth
+            stats.draft_forwards += 1 + fed_depth if depth_lim > 0 else 0
             depth_eff = tree.depth  # < depth_max only when a whole level had no draws
 
             # ---- verify phase: ONE target forward over the root and every node
@@ -287,22 +291,12 @@ class SpeculativeDecoder:
             logits = forward_logits(self._target_fwd, ids, tcache, pos, mask)  # [1, N+1, V]
             p = self._probs(logits[0], settings)  # [N+1, V]
 
-            # ---- accept phase: verify every level (batched), one host sync, then walk
-            out_tokens, out_slots = [], []
-            for depth in range(1, depth_eff + 1):
-                parents = tree.level(depth - 1)
-                token, slot = rule.verify(p[parents.start : parents.stop], proposals[depth - 1], generator)
-                out_tokens.append(token.reshape(-1))
-                out_slots.append(slot.reshape(-1))
-            leaves = tree.level(depth_eff)
-            leaf_p = p[leaves.start : leaves.stop]  # [n_D, V]
-            bonus = leaf_p.argmax(dim=-1) if greedy else sample_tokens(leaf_p, generator)
-            host = torch.cat(out_tokens + out_slots + [bonus]).tolist()
+            # ---- accept phase: walk from the root, verifying a level only when the walk reaches it
+            run, accepted = self._walk(tree, p, proposals, generator, greedy)
             self._sync()
             stats.target_seconds += time.perf_counter() - t1
             stats.target_forwards += 1
 
-            run, accepted = self._walk(tree, host, depth_eff)
             num_acc = len(accepted)
             stats.num_drafts += 1
             stats.num_draft_tokens += num_nodes - 1
@@ -314,36 +308,43 @@ class SpeculativeDecoder:
 
             # ---- compact both caches to the accepted path
             _compact(tcache, num_committed - 1, [0] + accepted)
-            _compact(dcache, num_committed, [n - 1 for n in accepted if tree.depths[n] <= fed_depth])
-            # an accepted node deeper than the draft has seen (at most the last one) is fed next step
-            pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed_depth] + [run[-1]]
+            if depth_lim > 0:
+                _compact(dcache, num_committed, [n - 1 for n in accepted if tree.depths[n] <= fed_depth])
+                # an accepted node deeper than the draft has seen (at most the last one) is fed next step
+                pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed_depth] + [run[-1]]
+            else:  # no draft this step (only the emit budget's last token): the draft still owes `pending`
+                pending.append(run[-1])
+            remaining -= len(run)
             num_committed += num_acc + 1
             root = run[-1]
             if self.after_step is not None:
                 committed.extend(run)
                 self.after_step(tcache, dcache, committed)
 
-    @staticmethod
-    def _walk(tree: DraftTree, host: list[int], depth_max: int) -> tuple[list[int], list[int]]:
-        """Follow the verified path from the root. host = level tokens, level slots, leaf bonus tokens (flat)."""
-        num_internal = tree.level_starts[depth_max]  # nodes with children: depths 0..D-1
-        tokens, slots, bonus = (
-            host[:num_internal],
-            host[num_internal : 2 * num_internal],
-            host[2 * num_internal :],
-        )
+    def _walk(self, tree: DraftTree, p: torch.Tensor, proposals: list, generator, greedy: bool):
+        """Follow the verified path from the root -> (emitted run, accepted node ids).
+
+        p [N+1, V] is the target distribution at every node. The rule verifies a whole level in one batched call
+        (the rows off the path use their own randomness and are ignored, which keeps the path exact); levels past
+        the first rejection are never verified. One host sync per level reached."""
         node, run, accepted = 0, [], []
-        while tree.depths[node] < depth_max:
-            tok = tokens[node]
+        for depth in range(1, tree.depth + 1):
+            parents = tree.level(depth - 1)
+            token, slot = self.rule.verify(p[parents.start : parents.stop], proposals[depth - 1], generator)
+            i = node - parents.start
+            tok, hit = torch.stack([token[i], slot[i]]).tolist()
             run.append(tok)
-            if slots[node] < 0:  # rejected: `tok` is the correction token
+            if hit < 0:  # rejected: `tok` is the correction token
                 return run, accepted
             child = tree.children[node].get(tok)
             if child is None:
                 raise RuntimeError(f"rule accepted token {tok} that is not a child of node {node}")
             node = child
             accepted.append(node)
-        run.append(bonus[node - tree.level_starts[depth_max]])
+        # every draft on the path was accepted: the bonus token comes from p at the leaf
+        leaf_p = p[node : node + 1]  # [1, V]
+        bonus = leaf_p.argmax(dim=-1) if greedy else sample_tokens(leaf_p, generator)
+        run.append(int(bonus.item()))
         return run, accepted
 
 

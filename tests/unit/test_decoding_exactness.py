@@ -1,0 +1,100 @@
+"""Distribution exactness end to end: the joint law of the first 3 generated tokens under speculative sampling
+equals the target's autoregressive joint law, for every rule, with a branching tree and top-k sampling.
+
+Test statistic and bound (derived, not tuned). The exact target joint J over V^3 outcomes is enumerated with one
+batched forward. From N samples, Pearson's X^2 = sum_c (O_c - N J_c)^2 / (N J_c) over cells c with N J_c >= 5, plus
+one pooled cell for the rest (so every expected count is >= 5, where the chi-square approximation holds). Under
+exactness X^2 ~ chi2(df = cells - 1); we reject above the (1 - DELTA) quantile. With DELTA = 1e-4 per rule the
+family-wise false-alarm rate over the ~10 rules is <= 1e-3. Power is checked, not assumed: the same test applied
+to the draft's own joint law (what a decoder that skipped verification would produce) must have an EXPECTED
+statistic N * sum (Jd - J)^2 / J far above the critical value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from resispec.decoding import SpeculativeDecoder, process_logits
+from resispec.verify import VERIFIERS
+from tests.unit.test_decoding_helpers import micro_llama, noisy_copy, single_thread
+
+VOCAB = 16
+SETTINGS = dict(temperature=0.8, top_k=12, top_p=1.0)
+TREE = [2, 2, 1]
+DELTA = 1e-4
+PROMPT = torch.tensor([[3]])  # one token: no target prefill, so a sample costs one or two steps
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def world():
+    target = micro_llama(32, 1, VOCAB, seed=0, scale=24.0)  # peaked enough that ~15 cells carry most mass
+    draft = noisy_copy(target, 0.6, seed=1)
+    return target, draft, exact_joint(target), exact_joint(draft)
+
+
+def exact_joint(model) -> torch.Tensor:
+    """[V, V, V] law of the first 3 tokens after PROMPT under SETTINGS, by enumeration (one batched forward)."""
+    tails = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # [V^2, 2]
+    ids = torch.cat([PROMPT.expand(VOCAB * VOCAB, -1), tails], dim=1)  # [V^2, 3]
+    with torch.no_grad():
+        logits = model(ids).logits  # [V^2, 3, V]
+    probs = process_logits(logits.reshape(-1, VOCAB), **SETTINGS).reshape(VOCAB * VOCAB, 3, VOCAB).double()
+    p1 = probs[0, 0]  # [V]
+    p2 = probs[::VOCAB, 1]  # [V, V]  row x1 (any x2 in the input)
+    p3 = probs[:, 2].reshape(VOCAB, VOCAB, VOCAB)  # [V, V, V]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def pearson(counts: torch.Tensor, joint: torch.Tensor, num: int) -> tuple[float, int]:
+    """(X^2, df) with cells of expected count < 5 pooled into one."""
+    expected = (num * joint).flatten()
+    counts = counts.flatten().double()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    return float(((obs - exp) ** 2 / exp).sum()), int(big.sum())  # df = (cells + 1) - 1
+
+
+def sample_joint(dec: SpeculativeDecoder, num: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(VOCAB**3, dtype=torch.long)
+    for _ in range(num):
+        out = dec.generate(PROMPT, max_new_tokens=3, eos_token_id=[], generator=gen, **SETTINGS)
+        a, b, c = out.sequences[0, 1:].tolist()
+        counts[(a * VOCAB + b) * VOCAB + c] += 1
+    return counts.reshape(VOCAB, VOCAB, VOCAB)
+
+
+def check_rule(rule: str, num: int, world) -> None:
+    target, draft, joint, draft_joint = world
+    big = (num * joint >= 5).flatten()
+    crit = chi2.ppf(1 - DELTA, int(big.sum()))
+    # power: a decoder emitting draft samples would exceed the critical value by a wide margin in expectation
+    jt, jd = joint.flatten(), draft_joint.flatten()
+    pooled = torch.cat([(jd - jt)[big], (jd - jt)[~big].sum()[None]]) ** 2
+    assert float(num * (pooled / torch.cat([jt[big], jt[~big].sum()[None]])).sum()) > 5 * crit
+    dec = SpeculativeDecoder(target, draft, rule=rule, tree=TREE)
+    counts = sample_joint(dec, num, seed=sorted(VERIFIERS).index(rule))
+    stat, df = pearson(counts, joint, num)
+    assert stat < crit, (
+        f"{rule}: X^2 = {stat:.1f} >= {crit:.1f} (df {df}): output law differs from the target's"
+    )
+
+
+@pytest.mark.parametrize("rule", sorted(VERIFIERS))
+def test_joint_law_of_three_tokens(rule, world):
+    check_rule(rule, 300, world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", sorted(VERIFIERS))
+def test_joint_law_of_three_tokens_many_samples(rule, world):
+    check_rule(rule, 5000, world)
