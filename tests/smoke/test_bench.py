@@ -23,7 +23,7 @@ def test_bench_script_writes_report(micro_world, tmp_path):
         "bench.num_prompts=2",
         "bench.max_new_tokens=8",
         "bench.rules=[chain,resispec]",
-        "bench.trees=[[1,1],[2,1]]",
+        "bench.trees=[[2,1]]",
         "bench.temperatures=[0.0,1.0]",
         "logger.wandb.mode=offline",
         f"logger.wandb.dir={tmp_path}",
@@ -35,8 +35,8 @@ def test_bench_script_writes_report(micro_world, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert {"report.md", "report.json", "speedup.png"} <= {p.name for p in out.iterdir()}
     rows = json.loads((out / "report.json").read_text())["rows"]
-    # per temperature: AR + per draft (2 rules x 2 trees + HF assisted chain 2)
-    assert len(rows) == 2 * (1 + 2 * (4 + 1))
+    # per temperature: AR + per draft (2 rules x 1 tree + HF assisted chain 2)
+    assert len(rows) == 2 * (1 + 2 * (2 + 1))
     assert {r["draft"] for r in rows} == {"-", "draft", "second"}
     for t in (0.0, 1.0):
         at = [r for r in rows if r["temperature"] == t]
