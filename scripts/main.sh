@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
-python -m resispec.pipeline "$@"
+python train/pipeline.py "$@"
