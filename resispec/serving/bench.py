@@ -296,6 +296,24 @@ def table_rows(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+def best_lines(rows: list[BenchRow]) -> list[str]:
+    """One line per temperature: the fastest speculative row and the best HF assisted row, vs AR."""
+    lines = []
+    for t in sorted({r.temperature for r in rows}):
+        at = [r for r in rows if r.temperature == t and r.speedup is not None]
+        parts = []
+        for method, name in (("spec", "best speculative"), ("hf_assisted", "best HF assisted")):
+            cands = [r for r in at if r.method == method]
+            if cands:
+                b = max(cands, key=lambda r: r.speedup)
+                parts.append(f"{name}: {b.label} {b.speedup:.2f}x ({b.tokens_per_second:.1f} tok/s)")
+        ar = next((r for r in at if r.method == "ar"), None)
+        if ar is not None:
+            parts.insert(0, f"AR {ar.tokens_per_second:.1f} tok/s")
+        lines.append(f"- T={t:g}: " + "; ".join(parts))
+    return lines
+
+
 def markdown_table(rows: list[BenchRow]) -> str:
     header, body = table_rows(rows)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -333,7 +351,7 @@ def plot_speedup(rows: list[BenchRow], path: Path) -> None:
     labels = list(dict.fromkeys(r.label for r in rows if r.method != "ar"))
     value = {(r.label, r.temperature): r.speedup or 0.0 for r in rows}
     height = 0.8 / max(len(temps), 1)
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.35 * len(labels) * max(len(temps), 1)))
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.2 * len(labels) * max(len(temps), 1)))
     for j, t in enumerate(temps):
         ys = [i + j * height for i in range(len(labels))]
         ax.barh(ys, [value.get((lbl, t), 0.0) for lbl in labels], height=height, label=f"T={t:g}")
@@ -474,6 +492,7 @@ def run_bench(
     paths = write_report(rows, out_dir, meta)
     if show:
         print_table(rows, title=f"resispec bench: {run_name} ({meta['device']})")
+        print("\n".join(best_lines(rows)))
         print(f"report: {paths['md']}")
     if logger is not None:
         log_wandb(rows, logger, Path(out_dir), run_name, meta)
