@@ -239,6 +239,17 @@ LOSSES: dict[str, PositionLoss] = {
 }
 
 
+def describe_loss(loss: LossConfig, decode: DecodeConfig) -> str:
+    """A short label: `fkl`, `jsd(0.5)`, `residual[resispec n=4 hybrid 0.1]`, `residual[rrs tree log]`."""
+    if loss.name == "jsd":
+        return f"jsd({loss.jsd_beta})"
+    if loss.name != "residual":
+        return loss.name
+    draws = "tree" if loss.draws == "tree" else f"n={residual_num_draws(loss, decode)}"
+    form = f"{loss.form} {loss.fkl_weight}" if "hybrid" in loss.form else loss.form
+    return f"residual[{residual_rule(loss, decode)} {draws} {form}]"
+
+
 def check_loss_config(loss: LossConfig, decode: DecodeConfig) -> None:
     """Fail early, with one clear line, on a loss the run cannot compute."""
     if loss.name not in LOSSES:

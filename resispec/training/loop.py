@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from resispec.data.config import DataConfig
 from resispec.decoding.config import DecodeConfig
-from resispec.losses import check_loss_config, distill_loss
+from resispec.losses import check_loss_config, describe_loss, distill_loss
 from resispec.models.config import ModelConfig, WorldConfig
 from resispec.training import checkpoint as ckpt
 from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig
@@ -432,7 +432,7 @@ def _distill(
         "best_step": state.best_step,
         "steps": state.step,
         "rule": pick_rule,
-        "loss": loss.name if loss.name != "residual" else f"residual:{loss.form}",
+        "loss": describe_loss(loss, decode),
         "losses": state.losses,
         "num_processes": accelerator.num_processes,
         "tokens": state.tokens,
