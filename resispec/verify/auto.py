@@ -53,21 +53,27 @@ def confidence_feature(q: Tensor, feature: str) -> Tensor:
 class AutoPolicy:
     """Distinct draws where the draft is confident: max_q >= threshold, or entropy <= threshold.
 
-    thresholds: per-n overrides (JSON keys are strings); n not listed uses `threshold`."""
+    thresholds, distinct_rules: per-n overrides (JSON keys are strings); n not listed uses `threshold` and
+    `distinct_rule`."""
 
     feature: str = "max_q"
     threshold: float = 0.3
     thresholds: dict[int, float] = field(default_factory=dict)
     iid_rule: str = "resispec"
     distinct_rule: str = "gumbel"
+    distinct_rules: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.feature not in FEATURES:
             raise ValueError(f"unknown auto feature {self.feature!r}; choose one of {FEATURES}")
         self.thresholds = {int(k): float(v) for k, v in self.thresholds.items()}
+        self.distinct_rules = {int(k): str(v) for k, v in self.distinct_rules.items()}
 
     def threshold_for(self, n: int) -> float:
         return self.thresholds.get(n, self.threshold)
+
+    def distinct_rule_for(self, n: int) -> str:
+        return self.distinct_rules.get(n, self.distinct_rule)
 
     def distinct_rows(self, q: Tensor, n: int) -> Tensor:
         """Bool [B]: rows that draft distinct tokens. q [B, V]."""
@@ -112,14 +118,14 @@ class ResiSpecAutoRule:
     def __repr__(self) -> str:
         return f"<verification rule {self.name!r} ({self.policy})>"
 
-    def _branches(self):
+    def _branches(self, n: int):
         rules = _rules()
-        return rules[self.policy.iid_rule], rules[self.policy.distinct_rule]
+        return rules[self.policy.iid_rule], rules[self.policy.distinct_rule_for(n)]
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> AutoProposal:
         """q [B, V] -> AutoProposal(tokens [B, n]); each row drafted by the branch its q selects."""
         check_draws(n)
-        iid, distinct = self._branches()
+        iid, distinct = self._branches(n)
         mask = self.policy.distinct_rows(q, n)  # [B]
         d_rows, i_rows = mask.nonzero()[:, 0], (~mask).nonzero()[:, 0]
         tokens = torch.full((q.shape[0], n), -1, dtype=torch.long, device=q.device)
@@ -144,7 +150,7 @@ class ResiSpecAutoRule:
         check_pair(p, proposal.q)
         if not isinstance(proposal, AutoProposal) or proposal.distinct_mask is None:
             raise ValueError("resispec_auto.verify needs the AutoProposal made by resispec_auto.propose")
-        iid, distinct = self._branches()
+        iid, distinct = self._branches(proposal.num_draws)
         mask = proposal.distinct_mask
         token = torch.full((p.shape[0],), -1, dtype=torch.long, device=p.device)
         slot = torch.full_like(token, -1)
@@ -169,8 +175,8 @@ class ResiSpecAutoRule:
 
     def _acceptance(self, p: Tensor, q: Tensor, n: int, strict: bool) -> Tensor:
         check_pair(p, q)
-        iid, distinct = self._branches()
-        alpha = iid.acceptance(p, q, check_draws(n))
+        iid, distinct = self._branches(check_draws(n))
+        alpha = iid.acceptance(p, q, n)
         mask = self.policy.distinct_rows(q, n)
         if bool(mask.any()):
             try:
@@ -178,7 +184,7 @@ class ResiSpecAutoRule:
             except NotImplementedError:
                 if strict:
                     raise NotImplementedError(
-                        f"resispec_auto: {int(mask.sum())} row(s) use {self.policy.distinct_rule!r}, which has no "
+                        f"resispec_auto: {int(mask.sum())} row(s) use {distinct.name!r}, which has no "
                         "closed-form acceptance; estimate it by sampling verify(), or use surrogate_acceptance"
                     ) from None
         return alpha
@@ -186,7 +192,7 @@ class ResiSpecAutoRule:
     def branch_names(self, q: Tensor, n: int) -> list[str]:
         """The rule each row of q [B, V] would use (for reports)."""
         mask = self.policy.distinct_rows(q, n)
-        return [self.policy.distinct_rule if m else self.policy.iid_rule for m in mask.tolist()]
+        return [self.policy.distinct_rule_for(n) if m else self.policy.iid_rule for m in mask.tolist()]
 
 
 def configure_auto(policy: AutoPolicy) -> ResiSpecAutoRule:

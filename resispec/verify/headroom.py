@@ -195,16 +195,15 @@ def auto_alpha(
 def calibrate_policy(
     results: dict, draws: list[int], iid_rule: str = "resispec", candidates=DISTINCT_CANDIDATES
 ) -> AutoPolicy:
-    """Choose the distinct rule and a max-q threshold per n that maximise mean α over all temperatures of the
-    validation split. results[(T, n)] = {"per_node": ..., "feature": [N]}."""
-    best = None
-    for rule in candidates:
-        if not all(rule in r["per_node"] for r in results.values()):
-            continue
-        total, thresholds = 0.0, {}
-        for n in draws:
-            keys = [k for k in results if k[1] == n]
-            scores = []
+    """Per n, the distinct rule and max-q threshold that maximise mean α summed over the temperatures of the
+    calibration split. results[(T, n)] = {"per_node": ..., "feature": [N]}. Ties: the threshold nearest 0.3."""
+    thresholds, rules = {}, {}
+    for n in draws:
+        keys = [k for k in results if k[1] == n]
+        best = None
+        for rule in candidates:
+            if not all(rule in results[k]["per_node"] for k in keys):
+                continue
             for t in THRESHOLD_GRID:
                 s = sum(
                     float(
@@ -212,23 +211,19 @@ def calibrate_policy(
                     )
                     for k in keys
                 )
-                scores.append((s, -abs(t - 0.3), t))  # ties: the threshold nearest the issue's 0.3
-            s, _, t = max(scores)
-            total += s
-            thresholds[n] = t
-        if best is None or total > best[0]:
-            best = (
-                total,
-                AutoPolicy(
-                    feature="max_q",
-                    threshold=0.3,
-                    thresholds=thresholds,
-                    iid_rule=iid_rule,
-                    distinct_rule=rule,
-                ),
-            )
-    assert best is not None, "no distinct rule candidate was measured"
-    return best[1]
+                cand = (s, -abs(t - 0.3), t, rule)
+                best = cand if best is None or cand[:2] > best[:2] else best
+        assert best is not None, "no distinct rule candidate was measured"
+        thresholds[n], rules[n] = best[2], best[3]
+    default = max(set(rules.values()), key=list(rules.values()).count)
+    return AutoPolicy(
+        feature="max_q",
+        threshold=0.3,
+        thresholds=thresholds,
+        iid_rule=iid_rule,
+        distinct_rule=default,
+        distinct_rules={n: r for n, r in rules.items() if r != default},
+    )
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -274,14 +269,24 @@ def plot(summary: dict, rules: list[str], temperatures, draws, path: Path) -> No
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(draws), figsize=(6 * len(draws), 4.5), squeeze=False)
+    names = rules + [AUTO, "alpha*_iid", "alpha*_wor"]
+    colors = plt.get_cmap("tab20")(range(len(names)))
     for ax, n in zip(axes[0], draws, strict=True):
-        for name in rules + [AUTO, "alpha*_iid", "alpha*_wor"]:
+        for name, color in zip(names, colors, strict=True):
             ys = [summary[f"n={n},T={t}"][name]["mean"] for t in temperatures]
             es = [summary[f"n={n},T={t}"][name]["mc_se"] for t in temperatures]
             style = "--" if name.startswith("alpha*") else "-"
             width = 2.5 if name == AUTO else 1.2
             ax.errorbar(
-                temperatures, ys, yerr=es, label=name, linestyle=style, linewidth=width, marker="o", ms=3
+                temperatures,
+                ys,
+                yerr=es,
+                label=name,
+                color=color,
+                linestyle=style,
+                linewidth=width,
+                marker="o",
+                ms=3,
             )
         ax.set_title(f"per-node acceptance, n = {n} (test split)")
         ax.set_xlabel("temperature")
@@ -364,14 +369,14 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     for (t, n), r in test.items():
         per_node = dict(r["per_node"])
         a, se, mask = auto_alpha(
-            per_node, r["feature"], policy.threshold_for(n), policy.distinct_rule, policy.iid_rule
+            per_node, r["feature"], policy.threshold_for(n), policy.distinct_rule_for(n), policy.iid_rule
         )
         per_node[AUTO] = {
             "alpha": a,
             "se": se,
-            "method": f"per node: {policy.distinct_rule} | {policy.iid_rule}",
+            "method": f"per node: {policy.distinct_rule_for(n)} | {policy.iid_rule}",
         }
-        d, i = per_node[policy.distinct_rule], per_node[policy.iid_rule]
+        d, i = per_node[policy.distinct_rule_for(n)], per_node[policy.iid_rule]
         per_node["oracle"] = {
             "alpha": torch.maximum(d["alpha"], i["alpha"]),
             "se": torch.maximum(d["se"], i["se"]),
@@ -404,7 +409,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         f"Per-node acceptance α on the {args.eval_split} split ({report['positions'][args.eval_split]} positions, "
         f"{cfg.world.name} world, V = {report['vocab']}); ± = Monte Carlo standard error of the mean "
         f"({args.samples} runs per node). resispec_auto policy calibrated on {args.calibration_split}: "
-        f"distinct rule {policy.distinct_rule}, max-q thresholds {policy.thresholds}.\n\n"
+        f"distinct rule per n {dict((n, policy.distinct_rule_for(n)) for n in draws)}, max-q thresholds {policy.thresholds}.\n\n"
         f"Command: `{command}`\n\n"
     )
     (out_dir / "headroom.md").write_text(header + table + "\n")

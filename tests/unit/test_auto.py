@@ -134,6 +134,14 @@ def test_auto_policy_table_and_json(tmp_path: Path) -> None:
     assert back == pol and back.thresholds == {2: 0.4}
     with pytest.raises(ValueError):
         AutoPolicy(feature="nope")
+    per_n = AutoPolicy(threshold=0.0, distinct_rule="gumbel", distinct_rules={"4": "rsd"})
+    per_n.save(tmp_path / "per_n.json")
+    per_n = AutoPolicy.load(tmp_path / "per_n.json")
+    assert per_n.distinct_rule_for(4) == "rsd" and per_n.distinct_rule_for(2) == "gumbel"
+    rule = ResiSpecAutoRule(per_n)
+    gen = torch.Generator().manual_seed(0)
+    assert rule.propose(q, 4, gen).distinct_part.draw_probs is not None  # rsd's proposal
+    assert rule.propose(q, 2, gen).distinct_part.draw_probs is None  # gumbel's
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
