@@ -18,6 +18,7 @@ from resispec.models.world import (
     config_hash,
     ensure_world,
     format_report,
+    remeasure_speed,
     stdlib_splits,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "load_pair",
     "load_tokenizer",
     "make_llama",
+    "remeasure_speed",
     "resolve_device",
     "resolve_model_path",
     "stdlib_splits",

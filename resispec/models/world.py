@@ -184,8 +184,9 @@ def ensure_world(world: WorldConfig, progress: bool = True) -> WorldPaths:
         found = load_world(world)  # another process may have finished while we waited
         if found is not None:
             return found
+        for stale in root.parent.glob(f"{root.name}.tmp-*"):  # left by killed builds (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = root.parent / f"{root.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         threads = torch.get_num_threads()
         if world.num_threads:
             torch.set_num_threads(world.num_threads)
@@ -313,6 +314,7 @@ def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
         "config": asdict(world),
         "python": sys.version.split()[0],
         "torch_threads": torch.get_num_threads(),
+        "load_avg_1m_at_end": round(os.getloadavg()[0], 2),  # other processes' load: it skews the ms numbers
         "files": {s: len(v) for s, v in texts.items()},
         "tokens": {s: int(len(v)) for s, v in streams.items()},
         "vocab_size": vocab,
@@ -334,6 +336,31 @@ def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
         "samples": samples,
         "build_seconds": round(time.perf_counter() - t_start, 1),
     }
+
+
+def remeasure_speed(world: WorldConfig, reps: int = 60) -> dict:
+    """Measure the built world's per-token forward times again (e.g. on an idle machine) and update report.json.
+
+    Build-time numbers are taken while the machine may be busy; the previous values are kept as *_at_build."""
+    from transformers import AutoModelForCausalLM
+
+    from resispec.models.pretraining import forward_ms
+
+    paths = load_world(world)
+    if paths is None:
+        raise RuntimeError(f"world {world.name} is not built yet (python train/pretrain.py)")
+    report = paths.report
+    for role, folder in (("target", paths.target_dir), ("draft", paths.draft_dir)):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        ms = round(forward_ms(model, report["vocab_size"], reps=reps), 3)
+        report[role].setdefault("forward_ms_at_build", report[role]["forward_ms"])
+        report[role]["forward_ms"] = ms
+        report[f"{role}_ms"] = ms
+    report["draft_target_cost_ratio"] = round(report["draft_ms"] / report["target_ms"], 4)
+    report["speed_threads"] = torch.get_num_threads()
+    report["speed_load_avg_1m"] = round(os.getloadavg()[0], 2)
+    (paths.root / "report.json").write_text(json.dumps(report, indent=2))
+    return report
 
 
 def format_report(report: dict) -> str:
