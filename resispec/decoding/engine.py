@@ -31,12 +31,33 @@ from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
 from resispec.decoding.tokenizers import check_tokenizers, resolve_vocab_size
 from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
+from resispec.verify.base import Proposal
 
 
 @dataclass
 class DecodeOutput:
     sequences: torch.Tensor  # [1, L] prompt + generated
     stats: DecodeStats
+
+
+class GreedyTopK:
+    """Temperature-0 drafting and verification: children = top-n of q, emitted token = argmax p, accepted iff it is
+    a child. Any exact rule emits argmax p with probability 1 when p is one-hot, so this is the rule at T = 0."""
+
+    name = "greedy_topk"
+    scheme = "deterministic"
+
+    def propose(self, q: torch.Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
+        return Proposal(tokens=torch.topk(q, min(n, q.shape[-1]), dim=-1).indices, q=q)  # [B, n]
+
+    def verify(self, p: torch.Tensor, proposal: Proposal, generator: torch.Generator | None = None):
+        token = p.argmax(dim=-1)  # [B]
+        hit = proposal.tokens == token[:, None]  # [B, n]
+        slot = torch.where(hit.any(-1), hit.int().argmax(-1), torch.full_like(token, -1))
+        return token, slot
+
+
+GREEDY_TOPK = GreedyTopK()
 
 
 def _resolve_rule(rule):
@@ -58,6 +79,9 @@ class SpeculativeDecoder:
     they are checked to be the same tokenizer (TokenizerMismatchError otherwise).
     compile: torch.compile the two model forwards (CUDA only; the uncompiled path is the reference).
     timing: synchronise CUDA around phases so draft/target seconds are exact (costs a little on GPU).
+    greedy_topk: at temperature 0, draft the top-b tokens per node and verify by argmax matching (every exact
+        rule reduces to that at temperature 0; see GreedyTopK). False runs the rule itself on one-hot p and q
+        (the reference path; for i.i.d. rules the tree then collapses to a chain).
     """
 
     def __init__(
@@ -71,6 +95,7 @@ class SpeculativeDecoder:
         tokenizer_draft=None,
         compile: bool = False,
         timing: bool = True,
+        greedy_topk: bool = True,
     ) -> None:
         check_tokenizers(tokenizer_target, tokenizer_draft)
         self.target, self.draft = target.eval(), draft.eval()
@@ -84,6 +109,7 @@ class SpeculativeDecoder:
         if next(draft.parameters()).device != self.device:
             raise ValueError("target and draft must be on the same device")
         self.timing = timing
+        self.greedy_topk = greedy_topk
         self._target_fwd: Callable = target
         self._draft_fwd: Callable = draft
         if compile and self.device.type == "cuda":
@@ -237,6 +263,11 @@ class SpeculativeDecoder:
         dev, rule, shape = self.device, self.rule, self.shape
         depth_max = len(shape)
         greedy = settings["temperature"] <= 0.0
+        q_settings = settings
+        if greedy and self.greedy_topk:
+            # temperature 0: every exact rule reduces to "emit argmax p; accepted iff it is a child", so the best tree
+            # drafts each node's top-b draft tokens (ranked by the draft's softmax) and skips the rule's arithmetic
+            rule, q_settings = GREEDY_TOPK, dict(temperature=1.0, top_k=0, top_p=1.0)
         tcache = self._prefill_target(prompt, stats)
         dcache = new_cache(self.draft)
         mask_dtype = self.target.dtype
@@ -260,7 +291,7 @@ class SpeculativeDecoder:
                 pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
                 ids = torch.tensor([pending], device=dev)
                 logits = forward_logits(self._draft_fwd, ids, dcache, pos, logits_to_keep=1)  # [1, 1, V]
-                q = self._probs(logits[0], settings)  # [1, V]
+                q = self._probs(logits[0], q_settings)  # [1, V]
                 for depth in range(1, depth_lim + 1):
                     proposal = rule.propose(q, shape[depth - 1], generator)
                     level = tree.add_level(proposal.tokens.tolist())  # one host sync per depth
@@ -274,7 +305,7 @@ class SpeculativeDecoder:
                     ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
                     pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
                     logits = forward_logits(self._draft_fwd, ids, dcache, pos, mask)  # [1, n_d, V]
-                    q = self._probs(logits[0], settings)  # [n_d, V]
+                    q = self._probs(logits[0], q_settings)  # [n_d, V]
                     fed_depth = depth
             self._sync()
             t1 = time.perf_counter()
@@ -292,7 +323,7 @@ class SpeculativeDecoder:
             p = self._probs(logits[0], settings)  # [N+1, V]
 
             # ---- accept phase: walk from the root, verifying a level only when the walk reaches it
-            run, accepted = self._walk(tree, p, proposals, generator, greedy)
+            run, accepted = self._walk(rule, tree, p, proposals, generator, greedy)
             self._sync()
             stats.target_seconds += time.perf_counter() - t1
             stats.target_forwards += 1
@@ -321,7 +352,8 @@ class SpeculativeDecoder:
                 committed.extend(run)
                 self.after_step(tcache, dcache, committed)
 
-    def _walk(self, tree: DraftTree, p: torch.Tensor, proposals: list, generator, greedy: bool):
+    @staticmethod
+    def _walk(rule, tree: DraftTree, p: torch.Tensor, proposals: list, generator, greedy: bool):
         """Follow the verified path from the root -> (emitted run, accepted node ids).
 
         p [N+1, V] is the target distribution at every node. The rule verifies a whole level in one batched call
@@ -330,7 +362,7 @@ class SpeculativeDecoder:
         node, run, accepted = 0, [], []
         for depth in range(1, tree.depth + 1):
             parents = tree.level(depth - 1)
-            token, slot = self.rule.verify(p[parents.start : parents.stop], proposals[depth - 1], generator)
+            token, slot = rule.verify(p[parents.start : parents.stop], proposals[depth - 1], generator)
             i = node - parents.start
             tok, hit = torch.stack([token[i], slot[i]]).tolist()
             run.append(tok)

@@ -53,12 +53,18 @@ def greedy_refs(pair, prompts):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("rule", sorted(VERIFIERS))
+@pytest.mark.parametrize("rule", [*sorted(VERIFIERS), "greedy_topk"])
 def test_greedy_identity(rule, shape, pair, prompts, greedy_refs):
+    """Each rule run on one-hot p and q (greedy_topk=False), and the default temperature-0 path (top-b drafting,
+    argmax matching), must reproduce target greedy decoding token for token."""
     target, close, far = pair
     accepted = 0
     for i, (ids, ref) in enumerate(zip(prompts, greedy_refs, strict=True)):
-        dec = SpeculativeDecoder(target, close if i % 2 == 0 else far, rule=rule, tree=shape)
+        draft = close if i % 2 == 0 else far
+        if rule == "greedy_topk":
+            dec = SpeculativeDecoder(target, draft, rule="resispec", tree=shape)
+        else:
+            dec = SpeculativeDecoder(target, draft, rule=rule, tree=shape, greedy_topk=False)
         out = dec.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0)
         assert torch.equal(out.sequences, ref), f"prompt {i}: speculative greedy differs from target greedy"
         accepted += out.stats.num_accepted_tokens

@@ -1,0 +1,207 @@
+"""Quick speed check of the decoder on the device at hand: AR vs speculative (rules x trees) vs HF assisted.
+
+    python -m resispec.decoding.profile --random                      # random tiny-world-shaped pair
+    python -m resispec.decoding.profile --target DIR --draft DIR --prompts-npy DIR/splits/test.npy
+
+Reports tokens/s, tau, per-depth acceptance, c (draft forward / target forward time) and the speedup over AR
+measured in the same run, as a markdown table. The full benchmark (JSON, plot, server) is serve/bench.py; this is
+the decoder's own profiling helper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+
+import torch
+
+from resispec.decoding.engine import SpeculativeDecoder
+
+
+def _timed(fn) -> tuple[float, object]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def bench_pair(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    prompts: Sequence[torch.Tensor],  # each [1, L] on the models' device
+    rules: Sequence[str] = ("resispec", "rrs", "rsd", "gumbel"),
+    trees: Sequence[Sequence[int]] = ((1, 1, 1, 1), (2, 1, 1), (4, 2, 1, 1)),
+    temperatures: Sequence[float] = (0.0, 1.0),
+    max_new_tokens: int = 64,
+    hf_assisted: Sequence[int] = (2, 4),
+    seed: int = 0,
+) -> list[dict]:
+    """One row per (temperature, method). Every method decodes the same prompts; the first prompt is decoded once
+    untimed per method as warm-up. HF assisted rows use `num_assistant_tokens` = k, constant schedule."""
+    rows = []
+    for temp in temperatures:
+        settings = dict(max_new_tokens=max_new_tokens, temperature=temp, eos_token_id=[])
+        base = SpeculativeDecoder(target, draft, rule=rules[0], tree=trees[0])
+
+        def run_ar(dec=base, settings=settings):
+            return sum(dec.generate_autoregressive(p, **settings).stats.num_new_tokens for p in prompts)
+
+        base.generate_autoregressive(prompts[0], **settings)
+        ar_s, ar_tokens = _timed(run_ar)
+        ar_tps = ar_tokens / ar_s
+        rows.append(dict(temperature=temp, method="AR", tokens_per_s=ar_tps, tau=1.0, speedup=1.0))
+        for rule in rules:
+            for tree in trees:
+                dec = SpeculativeDecoder(target, draft, rule=rule, tree=tree)
+                dec.generate(prompts[0], **settings)
+                gen = torch.Generator(device=prompts[0].device).manual_seed(seed)
+                tau_num = tau_den = draft_s = target_s = d_fw = t_fw = 0
+                acc = [0] * len(tree)
+                reach = [0] * len(tree)
+                tokens = 0
+                t0 = time.perf_counter()
+                for p in prompts:
+                    st = dec.generate(p, generator=gen, **settings).stats
+                    tokens += st.num_new_tokens
+                    tau_num += st.num_accepted_tokens + st.num_drafts
+                    tau_den += st.num_drafts
+                    draft_s, target_s = draft_s + st.draft_seconds, target_s + st.target_seconds
+                    d_fw, t_fw = d_fw + st.draft_forwards, t_fw + st.target_forwards
+                    acc = [a + b for a, b in zip(acc, st.accepted_per_position, strict=True)]
+                    reach = [a + b for a, b in zip(reach, st.reached_per_position, strict=True)]
+                seconds = time.perf_counter() - t0
+                rows.append(
+                    dict(
+                        temperature=temp,
+                        method=f"{rule} {list(tree)}",
+                        tokens_per_s=tokens / seconds,
+                        tau=tau_num / max(tau_den, 1),
+                        per_depth=[round(a / r, 2) if r else 0.0 for a, r in zip(acc, reach, strict=True)],
+                        c=(draft_s / max(d_fw, 1)) / (target_s / max(t_fw, 1)),
+                        speedup=tokens / seconds / ar_tps,
+                    )
+                )
+        for k in hf_assisted:
+            draft.generation_config.num_assistant_tokens = k
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
+            hf_kwargs = dict(
+                assistant_model=draft,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=temp > 0,
+                pad_token_id=0,
+            )
+            if temp > 0:
+                hf_kwargs.update(temperature=temp, top_k=0, top_p=1.0)
+
+            def run_hf(hf_kwargs=hf_kwargs):
+                n = 0
+                for p in prompts:
+                    out = target.generate(p, attention_mask=torch.ones_like(p), **hf_kwargs)
+                    n += out.shape[1] - p.shape[1]
+                return n
+
+            target.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), **hf_kwargs)
+            hf_s, hf_tokens = _timed(run_hf)
+            rows.append(
+                dict(
+                    temperature=temp,
+                    method=f"HF assisted k={k}",
+                    tokens_per_s=hf_tokens / hf_s,
+                    speedup=hf_tokens / hf_s / ar_tps,
+                )
+            )
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| T | method | tokens/s | tau | per-depth acceptance | c | speedup |\n|---|---|---|---|---|---|---|\n"
+    body = []
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        c = f"{r['c']:.3f}" if "c" in r else "-"
+        body.append(
+            f"| {r['temperature']} | {r['method']} | {r['tokens_per_s']:.1f} | {tau} | "
+            f"{r.get('per_depth', '-')} | {c} | {r['speedup']:.2f} |"
+        )
+    return head + "\n".join(body)
+
+
+def _random_pair(device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make(hidden, layers, heads, seed):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(
+            vocab_size=8192,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+        return LlamaForCausalLM(cfg).to(device).eval()
+
+    return make(256, 12, 4, 0), make(96, 1, 2, 1)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--random", action="store_true", help="random pair shaped like the tiny world")
+    ap.add_argument("--prompts-npy", help="a token-id .npy (e.g. a world split); prompts are slices of it")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--rules", default="resispec,rrs,rsd,gumbel")
+    ap.add_argument("--trees", default="1-1-1-1,2-1-1,4-2-1-1")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.random:
+        target, draft = _random_pair(args.device)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target).to(args.device).eval()
+        draft = AutoModelForCausalLM.from_pretrained(args.draft).to(args.device).eval()
+    gen = torch.Generator().manual_seed(0)
+    if args.prompts_npy:
+        import numpy as np
+
+        ids = torch.from_numpy(np.load(args.prompts_npy).astype("int64")).flatten()
+        starts = torch.randint(0, ids.numel() - args.prompt_len, (args.num_prompts,), generator=gen)
+        prompts = [ids[s : s + args.prompt_len][None].to(args.device) for s in starts.tolist()]
+    else:
+        vocab = target.get_output_embeddings().weight.shape[0]
+        prompts = [
+            torch.randint(0, vocab, (1, args.prompt_len), generator=gen).to(args.device)
+            for _ in range(args.num_prompts)
+        ]
+    rows = bench_pair(
+        target,
+        draft,
+        prompts,
+        rules=args.rules.split(","),
+        trees=[tuple(int(b) for b in t.split("-")) for t in args.trees.split(",")],
+        temperatures=[float(t) for t in args.temperatures.split(",")],
+        max_new_tokens=args.max_new_tokens,
+    )
+    print(
+        f"device {args.device}, threads {torch.get_num_threads()}, {len(prompts)} prompts x {args.max_new_tokens}"
+    )
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
