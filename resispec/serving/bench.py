@@ -82,26 +82,32 @@ def _seeded(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _time_decoder(fn, prompts: list[list[int]], device, bench: BenchConfig, sampling: dict) -> tuple:
-    """Warm up, then run `fn(ids, generator=..., **sampling)` over all prompts; returns (tokens, seconds, stats)."""
-    for w in range(bench.warmup):
-        ids = torch.tensor([prompts[w % len(prompts)]], device=device)
-        fn(ids, generator=_seeded(bench.seed + 10_000 + w, device), **{**sampling, "max_new_tokens": 8})
-    tokens, seconds, stats = 0, 0.0, []
-    for i, p in enumerate(prompts):
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class _Method:
+    """One method to time: `run(prompt_ids, seed, max_new_tokens) -> (new tokens, DecodeStats | None)`."""
+
+    row: BenchRow
+    run: Any
+    seconds: float = 0.0
+    tokens: int = 0
+    stats: list = field(default_factory=list)
+
+
+def _decoder_method(row: BenchRow, fn, device, sampling: dict) -> _Method:
+    def run(p: list[int], seed: int, max_new_tokens: int):
         ids = torch.tensor([p], device=device)  # [1, L]
-        gen = _seeded(bench.seed + i, device)
-        _sync(device)
-        t0 = time.perf_counter()
-        out = fn(ids, generator=gen, **sampling)
-        _sync(device)
-        seconds += time.perf_counter() - t0
-        tokens += out.sequences.shape[1] - len(p)
-        stats.append(out.stats)
-    return tokens, seconds, _sum_stats(stats)
+        out = fn(ids, generator=_seeded(seed, device), **{**sampling, "max_new_tokens": max_new_tokens})
+        return out.sequences.shape[1] - len(p), out.stats
+
+    return _Method(row, run)
 
 
-def _time_hf(target, draft, prompts, device, bench: BenchConfig, sampling: dict, k: int, pad_id) -> tuple:
+def _hf_method(row: BenchRow, target, draft, device, sampling: dict, k: int, pad_id) -> _Method:
     """HF `generate(assistant_model=draft)` with a constant chain of k draft tokens."""
     temperature = sampling["temperature"]
     kwargs: dict[str, Any] = dict(
@@ -110,38 +116,20 @@ def _time_hf(target, draft, prompts, device, bench: BenchConfig, sampling: dict,
         num_assistant_tokens_schedule="constant",
         do_sample=temperature > 0,
         pad_token_id=pad_id,
+        eos_token_id=sampling["eos_token_id"],
     )
     if temperature > 0:
         kwargs.update(temperature=temperature, top_p=sampling["top_p"], top_k=sampling["top_k"])
-    eos = sampling.get("eos_token_id")
 
-    def run(p: list[int], max_new_tokens: int, seed: int) -> int:
+    def run(p: list[int], seed: int, max_new_tokens: int):
         torch.manual_seed(seed)
-        ids = torch.tensor([p], device=device)
+        ids = torch.tensor([p], device=device)  # [1, L]
         out = target.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            **kwargs,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs
         )
-        return out.shape[1] - len(p)
+        return out.shape[1] - len(p), None
 
-    for w in range(bench.warmup):
-        run(prompts[w % len(prompts)], 8, bench.seed + 10_000 + w)
-    tokens, seconds = 0, 0.0
-    for i, p in enumerate(prompts):
-        _sync(device)
-        t0 = time.perf_counter()
-        tokens += run(p, sampling["max_new_tokens"], bench.seed + i)
-        _sync(device)
-        seconds += time.perf_counter() - t0
-    return tokens, seconds
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return _Method(row, run)
 
 
 def hf_chain_lengths(bench: BenchConfig) -> list[int]:
@@ -151,11 +139,35 @@ def hf_chain_lengths(bench: BenchConfig) -> list[int]:
     return sorted({len(t) for t in bench.trees})
 
 
-def count_runs(bench: BenchConfig, num_drafts: int) -> int:
-    per_temp = 1 + num_drafts * len(bench.rules) * len(bench.trees)
-    if bench.hf_assisted:
-        per_temp += num_drafts * len(hf_chain_lengths(bench))
-    return per_temp * len(bench.temperatures)
+def _methods(
+    target,
+    drafts: dict[str, Any],
+    tokenizer,
+    bench: BenchConfig,
+    decode: DecodeConfig,
+    temperature: float,
+    sampling: dict,
+) -> list[_Method]:
+    """AR first (the baseline), then every (draft, rule, tree), then HF assisted per draft and chain length."""
+    from resispec.decoding import SpeculativeDecoder
+
+    device = next(target.parameters()).device
+    first_draft = next(iter(drafts.values()))
+    ar_dec = SpeculativeDecoder(target, first_draft, rule="chain", tree=[1], tokenizer=tokenizer)
+    out = [_decoder_method(BenchRow("ar", temperature), ar_dec.generate_autoregressive, device, sampling)]
+    for label, draft in drafts.items():
+        for rule in bench.rules:
+            for tree in bench.trees:
+                dec = SpeculativeDecoder(
+                    target, draft, rule=rule, tree=tree, tokenizer=tokenizer, compile=decode.compile
+                )
+                row = BenchRow("spec", temperature, draft=label, rule=rule, tree=_tree_str(tree))
+                out.append(_decoder_method(row, dec.generate, device, sampling))
+        if bench.hf_assisted:
+            for k in hf_chain_lengths(bench):
+                row = BenchRow("hf_assisted", temperature, draft=label, rule="hf", tree=f"chain {k}")
+                out.append(_hf_method(row, target, draft, device, sampling, k, tokenizer.pad_token_id))
+    return out
 
 
 def bench_pair(
@@ -167,10 +179,11 @@ def bench_pair(
     decode: DecodeConfig,
     progress: bool = True,
 ) -> list[BenchRow]:
-    """Measure AR, every (draft, rule, tree) and HF assisted generation on `prompts` at each temperature."""
-    from tqdm.auto import tqdm
+    """Measure AR, every (draft, rule, tree) and HF assisted generation on `prompts` at each temperature.
 
-    from resispec.decoding import SpeculativeDecoder
+    Methods are interleaved per prompt (prompt 1: every method, prompt 2: every method, ...), so a slow phase of
+    a shared machine hits all methods alike and the speedups stay comparable."""
+    from tqdm.auto import tqdm
 
     if not prompts:
         raise ValueError("bench needs at least one prompt")
@@ -178,9 +191,8 @@ def bench_pair(
     eos = getattr(target.generation_config, "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
-    first_draft = next(iter(drafts.values()))
-    bar = tqdm(total=count_runs(bench, len(drafts)), desc="bench", disable=not progress, unit="run")
     rows: list[BenchRow] = []
+    bar = None
     for temperature in bench.temperatures:
         sampling = dict(
             max_new_tokens=bench.max_new_tokens,
@@ -189,81 +201,43 @@ def bench_pair(
             top_k=decode.top_k,
             eos_token_id=eos,
         )
-        bar.set_postfix_str(f"T={temperature} AR")
-        ar_dec = SpeculativeDecoder(
-            target,
-            first_draft,
-            rule=bench.rules[0] if bench.rules else "chain",
-            tree=[1],
-            tokenizer=tokenizer,
-        )
-        tokens, seconds, stats = _time_decoder(
-            ar_dec.generate_autoregressive, prompts, device, bench, sampling
-        )
-        ar = BenchRow(
-            "ar",
-            temperature,
-            num_prompts=len(prompts),
-            num_tokens=tokens,
-            seconds=seconds,
-            tokens_per_second=tokens / seconds,
-            tau=1.0,
-            speedup=1.0,
-            stats=stats.as_dict(),
-        )
-        rows.append(ar)
-        bar.update()
-        for label, draft in drafts.items():
-            for rule in bench.rules:
-                for tree in bench.trees:
-                    bar.set_postfix_str(f"T={temperature} {label} {rule} {_tree_str(tree)}")
-                    dec = SpeculativeDecoder(
-                        target, draft, rule=rule, tree=tree, tokenizer=tokenizer, compile=decode.compile
-                    )
-                    tokens, seconds, stats = _time_decoder(dec.generate, prompts, device, bench, sampling)
-                    tps = tokens / seconds
-                    rows.append(
-                        BenchRow(
-                            "spec",
-                            temperature,
-                            draft=label,
-                            rule=rule,
-                            tree=_tree_str(tree),
-                            num_prompts=len(prompts),
-                            num_tokens=tokens,
-                            seconds=seconds,
-                            tokens_per_second=tps,
-                            tau=stats.tau,
-                            per_depth_acceptance=stats.per_depth_acceptance,
-                            c=stats.c,
-                            speedup=tps / ar.tokens_per_second,
-                            stats=stats.as_dict(),
-                        )
-                    )
-                    bar.update()
-            if bench.hf_assisted:
-                for k in hf_chain_lengths(bench):
-                    bar.set_postfix_str(f"T={temperature} {label} HF chain {k}")
-                    tokens, seconds = _time_hf(
-                        target, draft, prompts, device, bench, sampling, k, tokenizer.pad_token_id
-                    )
-                    tps = tokens / seconds
-                    rows.append(
-                        BenchRow(
-                            "hf_assisted",
-                            temperature,
-                            draft=label,
-                            rule="hf",
-                            tree=f"chain {k}",
-                            num_prompts=len(prompts),
-                            num_tokens=tokens,
-                            seconds=seconds,
-                            tokens_per_second=tps,
-                            speedup=tps / ar.tokens_per_second,
-                        )
-                    )
-                    bar.update()
-    bar.close()
+        methods = _methods(target, drafts, tokenizer, bench, decode, temperature, sampling)
+        if bar is None:
+            total = len(methods) * (len(prompts) + bench.warmup) * len(bench.temperatures)
+            bar = tqdm(total=total, desc="bench", disable=not progress, unit="gen")
+        for m in methods:  # warm-up: untimed, short
+            for w in range(bench.warmup):
+                bar.set_postfix_str(f"T={temperature:g} warm-up {m.row.label}")
+                m.run(prompts[w % len(prompts)], bench.seed + 10_000 + w, 8)
+                bar.update()
+        for i, p in enumerate(prompts):
+            for m in methods:
+                bar.set_postfix_str(f"T={temperature:g} prompt {i + 1}/{len(prompts)} {m.row.label}")
+                _sync(device)
+                t0 = time.perf_counter()
+                num, stats = m.run(p, bench.seed + i, bench.max_new_tokens)  # same seed for every method
+                _sync(device)
+                m.seconds += time.perf_counter() - t0
+                m.tokens += num
+                if stats is not None:
+                    m.stats.append(stats)
+                bar.update()
+        ar_tps = methods[0].tokens / methods[0].seconds
+        for m in methods:
+            r = m.row
+            r.num_prompts, r.num_tokens, r.seconds = len(prompts), m.tokens, m.seconds
+            r.tokens_per_second = m.tokens / m.seconds
+            r.speedup = r.tokens_per_second / ar_tps
+            if m.stats:
+                total_stats = _sum_stats(m.stats)
+                r.stats = total_stats.as_dict()
+                r.tau = total_stats.tau
+                if r.method == "spec":
+                    r.per_depth_acceptance = total_stats.per_depth_acceptance
+                    r.c = total_stats.c
+            rows.append(r)
+    if bar is not None:
+        bar.close()
     return rows
 
 
