@@ -54,11 +54,8 @@ def _generate_batch(
         input_ids[i, width - len(ids) :] = torch.tensor(ids)
         attention_mask[i, width - len(ids) :] = 1
     greedy = regen.temperature <= 0
-    kwargs = (
-        {}
-        if greedy
-        else {"temperature": regen.temperature, "top_p": regen.top_p, "top_k": regen.top_k or None}
-    )
+    # top_k=0 / top_p=1 switch those filters off (None would fall back to generation_config.top_k = 50)
+    kwargs = {} if greedy else {"temperature": regen.temperature, "top_p": regen.top_p, "top_k": regen.top_k}
     out = target.generate(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
