@@ -202,3 +202,13 @@ def test_choose_lambda_includes_rsd_step() -> None:
     best = two_step_value(p, q, choose_lambda(p, q))
     zero = two_step_value(p, q, torch.zeros(16, 1, dtype=torch.float64))
     assert bool((best >= zero - 1e-12).all())
+
+
+def test_resispec_wor_acceptance_is_differentiable() -> None:
+    """The n = 2 closed form is usable as a training loss: finite, nonzero gradient w.r.t. the draft logits."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 30, generator=gen, requires_grad=True)
+    p = torch.softmax(torch.randn(4, 30, generator=gen), -1)
+    alpha = VERIFIERS["resispec_wor"].acceptance(p, torch.softmax(logits, -1), 2)
+    alpha.sum().backward()
+    assert torch.isfinite(logits.grad).all() and float(logits.grad.abs().sum()) > 0
