@@ -108,25 +108,37 @@ def _decoder_method(row: BenchRow, fn, device, sampling: dict) -> _Method:
 
 
 def _hf_method(row: BenchRow, target, draft, device, sampling: dict, k: int, pad_id) -> _Method:
-    """HF `generate(assistant_model=draft)` with a constant chain of k draft tokens."""
+    """HF `generate(assistant_model=draft)` drafting a constant chain of k tokens.
+
+    transformers reads the drafting settings from the ASSISTANT's generation_config (not from generate kwargs), so
+    they are set there for the call and restored after; the confidence cut-off is off, so every step drafts k."""
     temperature = sampling["temperature"]
     kwargs: dict[str, Any] = dict(
         assistant_model=draft,
-        num_assistant_tokens=k,
-        num_assistant_tokens_schedule="constant",
         do_sample=temperature > 0,
         pad_token_id=pad_id,
         eos_token_id=sampling["eos_token_id"],
     )
     if temperature > 0:
         kwargs.update(temperature=temperature, top_p=sampling["top_p"], top_k=sampling["top_k"])
+    drafting = dict(
+        num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0
+    )
 
     def run(p: list[int], seed: int, max_new_tokens: int):
-        torch.manual_seed(seed)
-        ids = torch.tensor([p], device=device)  # [1, L]
-        out = target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs
-        )
+        gc = draft.generation_config
+        saved = {name: getattr(gc, name, None) for name in drafting}
+        for name, value in drafting.items():
+            setattr(gc, name, value)
+        try:
+            torch.manual_seed(seed)
+            ids = torch.tensor([p], device=device)  # [1, L]
+            out = target.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs
+            )
+        finally:
+            for name, value in saved.items():
+                setattr(gc, name, value)
         return out.shape[1] - len(p), None
 
     return _Method(row, run)
