@@ -379,6 +379,19 @@ def format_report(report: dict) -> str:
                 f"{r['forward_ms']:.2f}",
             )
         )
+        if role == "target" and "before_grow" in r:
+            b = r["before_grow"]
+            rows.append(
+                (
+                    f"  at {b['num_layers']} layers",
+                    "",
+                    "",
+                    "",
+                    f"{b['heldout_loss']:.3f}",
+                    f"{np.exp(b['heldout_loss']):.1f}",
+                    "",
+                )
+            )
     u = report["unigram"]
     rows.append(("unigram", "-", "-", "-", f"{u['heldout_loss']:.3f}", f"{u['heldout_ppl']:.1f}", "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
