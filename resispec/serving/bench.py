@@ -413,8 +413,13 @@ def log_wandb(rows: list[BenchRow], logger, output_dir: Path, run_name: str, met
 
 def load_bench_prompts(data, tokenizer, world, num_prompts: int) -> list[list[int]]:
     """Held-out prompts: the `test` split of the data source (never seen in distillation)."""
+    from dataclasses import replace
+
     from resispec.data.prompts import load_prompts
 
+    data = replace(
+        data, num_eval_prompts=max(data.num_eval_prompts, num_prompts)
+    )  # non-train splits use this count
     ds = load_prompts(data, tokenizer, split="test", world=world)
     return [list(p) for p in ds["prompt_ids"][:num_prompts]]
 
