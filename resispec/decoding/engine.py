@@ -321,12 +321,14 @@ class SpeculativeDecoder:
             pos = torch.tensor([tree.depths], device=dev) + (num_committed - 1)
             logits = forward_logits(self._target_fwd, ids, tcache, pos, mask)  # [1, N+1, V]
             p = self._probs(logits[0], settings)  # [N+1, V]
+            self._sync()
+            t2 = time.perf_counter()
+            stats.target_seconds += t2 - t1
+            stats.target_forwards += 1
 
             # ---- accept phase: walk from the root, verifying a level only when the walk reaches it
             run, accepted = self._walk(rule, tree, p, proposals, generator, greedy)
-            self._sync()
-            stats.target_seconds += time.perf_counter() - t1
-            stats.target_forwards += 1
+            stats.accept_seconds += time.perf_counter() - t2
 
             num_acc = len(accepted)
             stats.num_drafts += 1

@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
-    """An empty cache laid out for `model` (sliding-window layers included)."""
-    return DynamicCache(config=model.config)
+    """An empty cache laid out for `model`. Only full-attention layers are supported: crop/compact index the
+    sequence dim directly, which a sliding-window layer (it keeps only the last window) would break."""
+    cache = DynamicCache(config=model.config)
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise NotImplementedError(
+            f"the tree decoder supports full-attention KV caches only; {type(model).__name__} uses {sorted(kinds)} "
+            "(a sliding window is enabled in its config; when prompt + output stay within the window, set "
+            "model.config.sliding_window = None before building the decoder)"
+        )
+    return cache
 
 
 def cache_length(cache: DynamicCache) -> int:

@@ -20,6 +20,7 @@ class DecodeStats:
     num_new_tokens: int = 0  # tokens emitted (after stop truncation)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    accept_seconds: float = 0.0  # the rule's verification walk (host side), apart from the forwards
     total_seconds: float = 0.0
 
     @property

@@ -170,3 +170,38 @@ class AngleTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.mark.parametrize("arch", ["Qwen2", "Qwen3", "Mistral"])
+def test_other_architectures_greedy_identity(arch):
+    """The same cache/mask path serves Qwen2/3 and Mistral (sliding window off: the tree cache is full-attention)."""
+    import transformers
+
+    config_cls = getattr(transformers, f"{arch}Config")
+    model_cls = getattr(transformers, f"{arch}ForCausalLM")
+    models = []
+    for seed, hidden in ((0, 64), (1, 32)):
+        torch.manual_seed(seed)
+        cfg = config_cls(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=None,
+            eos_token_id=None,
+        )
+        model = model_cls(cfg).eval()
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(8)
+            model.get_output_embeddings().weight.mul_(8)
+        models.append(model)
+    target, draft = models
+    ids = torch.tensor([[5, 17, 33, 2]])
+    hf = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    for greedy_topk in (True, False):
+        dec = SpeculativeDecoder(target, draft, rule="rrs", tree=[3, 2], greedy_topk=greedy_topk)
+        assert torch.equal(dec.generate(ids, max_new_tokens=12, temperature=0.0).sequences, hf)
+    out = dec.generate(ids, max_new_tokens=12, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert out.sequences.shape == (1, 16)
