@@ -352,3 +352,18 @@ def test_server_flag_becomes_override():
     assert mod._server_flag_to_override(["--server=http://localhost:2"]) == [
         "bench.server_url=http://localhost:2"
     ]
+
+
+def test_encode_chat_uses_the_tokenizer_template_when_present():
+    from resispec.serving.text import encode_chat
+
+    class Templated(CharTokenizer):
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            assert add_generation_prompt and not tokenize
+            return "|".join(m["content"] for m in messages) + " "
+
+    assert encode_chat(Templated(), [("user", "ab"), ("user", "c")]) == Templated()("abc ")["input_ids"]
+    plain = CharTokenizer()
+    assert encode_chat(plain, [("user", "ab")]) == plain(fallback_chat_prompt([("user", "ab")]))["input_ids"]
