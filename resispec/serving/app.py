@@ -92,6 +92,13 @@ class _Server:
             )
         if req.n != 1:
             raise APIError(400, "Only n=1 is supported.", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise APIError(
+                    400, f"{name} is not supported (the output follows the target exactly).", param=name
+                )
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported.", param="logit_bias")
 
     def params(self, req: SamplingFields, max_tokens: int | None, num_prompt: int) -> SamplingParams:
         """The request's decode settings; context-length checks as vLLM does them."""

@@ -59,6 +59,10 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extra field: generate max_tokens tokens even past EOS
     user: str | None = None
+    # accepted only at their neutral values: the output is exactly the target's (sampled) distribution
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
