@@ -1,0 +1,289 @@
+"""resispec.verify: edge cases, orderings between rules, n = 1, gradients, registry, fast paths."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from resispec.verify import (
+    VERIFIERS,
+    Proposal,
+    capped_mass,
+    optimal_acceptance,
+    register,
+    solve_kseq_rho,
+    solve_resispec_T,
+)
+from resispec.verify.base import SCHEMES
+from resispec.verify.profile import RatioProfile, sort_by_ratio
+
+NUM_EDGE = 10_000
+REDUCE_TO_CHAIN = [
+    "chain",
+    "rrs",
+    "kseq",
+    "resispec",
+    "hub",
+    "rsd",
+]  # sampled-draft rules; gumbel is a coupling
+
+
+def random_pairs(num: int, vocab: int, seed: int, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Peaked targets and correlated drafts, with some exact zeros in both. [num, vocab]."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(num, vocab, generator=gen, dtype=dtype)
+    p = torch.softmax(2 * z, -1)
+    q = torch.softmax(2 * z + torch.randn(num, vocab, generator=gen, dtype=dtype), -1)
+    p = torch.where(torch.rand(num, vocab, generator=gen, dtype=dtype) < 0.1, 0, p)
+    q = torch.where(torch.rand(num, vocab, generator=gen, dtype=dtype) < 0.1, 0, q)
+    p[:, 0] += 1e-3  # keep every row non-empty
+    q[:, 1] += 1e-3
+    return p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+
+
+def closed_form(name: str, p: torch.Tensor, q: torch.Tensor, n: int) -> torch.Tensor | None:
+    """The rule's closed-form acceptance at this n, or None where it has none (NotImplementedError)."""
+    try:
+        return VERIFIERS[name].acceptance(p, q, n)
+    except NotImplementedError:
+        return None
+
+
+def _edge_pairs() -> dict[str, tuple[list[float], list[float], int]]:
+    return {
+        "q0_where_p_pos": ([0.5, 0.3, 0.2, 0.0], [0.0, 0.6, 0.4, 0.0], 3),
+        "p0_where_q_pos": ([0.7, 0.0, 0.3, 0.0], [0.4, 0.3, 0.2, 0.1], 3),
+        "p_equals_q": ([0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], 3),
+        "onehot_p": ([0.0, 1.0, 0.0, 0.0], [0.5, 0.2, 0.2, 0.1], 2),
+        "onehot_q": ([0.5, 0.2, 0.2, 0.1], [0.0, 0.0, 1.0, 0.0], 3),
+        "n_equals_1": ([0.5, 0.2, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4], 1),
+        "n_beyond_support": ([0.3, 0.3, 0.2, 0.2], [0.6, 0.0, 0.4, 0.0], 4),
+        "n_beyond_vocab": ([0.6, 0.4], [0.5, 0.5], 5),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_edge_pairs()))
+@pytest.mark.parametrize("name", sorted(VERIFIERS))
+def test_edge_cases_exact(name, case):
+    """Every rule on every edge case: never emits p = 0 tokens, TV within the derived bound of
+    test_verify_sampling (delta = 1e-6), acceptance within 4 SE of its closed form, valid draws."""
+    p_row, q_row, n = _edge_pairs()[case]
+    rule = VERIFIERS[name]
+    p = torch.tensor([p_row], dtype=torch.float64).expand(NUM_EDGE, -1).contiguous()
+    q = torch.tensor([q_row], dtype=torch.float64).expand(NUM_EDGE, -1).contiguous()
+    gen = torch.Generator().manual_seed(5)
+    proposal = rule.propose(q, n, gen)
+    tokens = proposal.tokens
+    assert tokens.shape == (NUM_EDGE, n)
+    drawn = tokens[tokens >= 0]
+    if rule.scheme != "deterministic" and name != "hub":  # sampled draws come from q's support
+        assert (q[0, drawn] > 0).all()
+    if rule.scheme == "distinct":  # no repeats among the non-empty slots
+        srt = tokens.sort(-1).values
+        assert not ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()
+    token, slot = rule.verify(p, proposal, gen)
+    assert (p[0, token] > 0).all(), "emitted a token with p = 0"
+    hist = torch.bincount(token, minlength=p.shape[1]).double() / NUM_EDGE
+    bound = 0.5 * torch.sqrt(p[0] * (1 - p[0]) / NUM_EDGE).sum() + math.sqrt(math.log(1e6) / (2 * NUM_EDGE))
+    assert 0.5 * (hist - p[0]).abs().sum() <= bound
+    alpha = closed_form(name, p[:1], q[:1], n)
+    if alpha is not None:
+        alpha = alpha.item()
+        se = math.sqrt(max(alpha * (1 - alpha), 1 / NUM_EDGE) / NUM_EDGE)
+        assert abs((slot >= 0).double().mean().item() - alpha) <= 4 * se, (alpha, (slot >= 0).double().mean())
+
+
+def test_edge_case_values():
+    """Exact values where they are known by hand."""
+    p = torch.tensor([[0.4, 0.3, 0.2, 0.1]], dtype=torch.float64)
+    for name in ("chain", "rrs", "kseq", "resispec", "hub"):  # p = q: everything accepted
+        assert VERIFIERS[name].acceptance(p, p, 3).item() == pytest.approx(1, abs=1e-12)
+    q = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)  # one-hot q: i.i.d. draws all equal
+    for name in ("chain", "rrs", "kseq", "resispec"):
+        assert VERIFIERS[name].acceptance(p, q, 3).item() == pytest.approx(0.2, abs=1e-12)
+    gen = torch.Generator().manual_seed(0)
+    props = VERIFIERS["rsd"].propose(q.expand(8, -1), 3, gen)  # distinct draws stop at q's support
+    assert (props.tokens[:, 0] == 2).all() and (props.tokens[:, 1:] == -1).all()
+    chain = VERIFIERS["chain"].propose(p.expand(8, -1), 4, gen)  # chain: one draw, other slots empty
+    assert (chain.tokens[:, 1:] == -1).all() and (chain.tokens[:, 0] >= 0).all()
+
+
+def test_invalid_inputs_raise():
+    p = torch.tensor([[0.5, 0.5]])
+    for rule in VERIFIERS.values():
+        with pytest.raises(ValueError):
+            rule.propose(p, 0)
+        with pytest.raises(ValueError):
+            rule.verify(torch.tensor([[0.2, 0.3, 0.5]]), rule.propose(p, 2), None)
+    with pytest.raises(ValueError):
+        VERIFIERS["rrs"].acceptance(p, torch.tensor([[0.5, 0.5]], dtype=torch.float64), 2)
+    with pytest.raises(ValueError):
+        optimal_acceptance(p, p, 2, scheme="nope")
+    with pytest.raises(ValueError):
+        optimal_acceptance(torch.full((1, 13), 1 / 13), torch.full((1, 13), 1 / 13), 2, scheme="wor")
+
+
+# ---------------------------------------------------------------------------------------------- properties
+
+
+def test_rule_ordering_on_random_pairs():
+    """rrs <= kseq <= resispec <= alpha*_iid; alpha*_iid and the distinct rules <= 1; all >= chain."""
+    for n in (2, 3, 5, 8):
+        p, q = random_pairs(64, 40, seed=n)
+        a = {name: VERIFIERS[name].acceptance(p, q, n) for name in ("chain", "rrs", "kseq", "resispec")}
+        opt = optimal_acceptance(p, q, n, "iid")
+        tol = 1e-9
+        assert (a["chain"] <= a["rrs"] + tol).all()
+        assert (a["rrs"] <= a["kseq"] + tol).all()
+        assert (a["kseq"] <= a["resispec"] + tol).all()
+        assert (a["resispec"] <= opt + tol).all()
+        assert (opt <= 1 + tol).all()
+        assert (a["resispec"] > a["rrs"] + 1e-4).any()  # the ordering is not vacuous
+
+
+def test_n1_reduces_to_chain():
+    p, q = random_pairs(32, 30, seed=11)
+    chain = torch.minimum(p, q).sum(-1)
+    for name in REDUCE_TO_CHAIN:
+        got = closed_form(name, p, q, 1)
+        if got is not None:
+            torch.testing.assert_close(got, chain, rtol=0, atol=1e-12)
+    torch.testing.assert_close(optimal_acceptance(p, q, 1), chain, rtol=0, atol=1e-12)
+    # rsd has no closed form: sample it at n = 1 on one pair
+    num = 40_000
+    pr, qr = p[:1].expand(num, -1).contiguous(), q[:1].expand(num, -1).contiguous()
+    gen = torch.Generator().manual_seed(3)
+    _, slot = VERIFIERS["rsd"].verify(pr, VERIFIERS["rsd"].propose(qr, 1, gen), gen)
+    alpha = chain[0].item()
+    assert abs((slot >= 0).double().mean().item() - alpha) <= 4 * math.sqrt(alpha * (1 - alpha) / num)
+
+
+def test_float32_and_float64_agree():
+    p, q = random_pairs(16, 50, seed=2)
+    for name in ("rrs", "kseq", "resispec", "hub", "onehot"):
+        a64 = VERIFIERS[name].acceptance(p, q, 4)
+        a32 = VERIFIERS[name].acceptance(p.float(), q.float(), 4)
+        assert a32.dtype == torch.float32
+        torch.testing.assert_close(a32.double(), a64, rtol=0, atol=2e-5)
+
+
+def test_profile_fast_sort_matches_torch_sort():
+    """The numpy packed-key sort (float32 CPU, large V) gives the same ratio profile as torch.sort."""
+    p, q = random_pairs(4, 8192, seed=4, dtype=torch.float32)
+    w_fast, p_fast, q_fast = sort_by_ratio(p, q)
+    w_ref = torch.sort(torch.where(q > 0, p / q, torch.full_like(p, float("inf"))), -1).values
+    torch.testing.assert_close(w_fast, w_ref, rtol=0, atol=0)
+    assert torch.equal(q_fast.sort(-1).values, q.sort(-1).values)
+    t = torch.tensor([[0.3, 1.0, 2.5]]).expand(4, -1).double()
+    f = RatioProfile.build(p, q).capped_mass(t)
+    want = torch.stack([torch.minimum(p, x * q).double().sum(-1) for x in (0.3, 1.0, 2.5)], -1)
+    torch.testing.assert_close(f, want, rtol=0, atol=1e-5)
+
+
+def test_resispec_exact_for_any_T():
+    """The run-time guard: with a deliberately wrong T the rule is still exact (only acceptance drops)."""
+    from resispec.verify.iid import shaped_plan, verify_sequential
+
+    p1, q1 = random_pairs(1, 6, seed=9)
+    num, n = 60_000, 3
+    p, q = p1.expand(num, -1).contiguous(), q1.expand(num, -1).contiguous()
+    gen = torch.Generator().manual_seed(8)
+    profile = RatioProfile.build(p, q)
+    for t in (1.0, 1.7, float(n)):
+        plan = shaped_plan(p, q, n, torch.full((num,), t, dtype=p.dtype), profile)
+        token, slot = verify_sequential(
+            p, Proposal(tokens=torch.multinomial(q, n, True, generator=gen), q=q), plan, gen
+        )
+        hist = torch.bincount(token, minlength=p.shape[1]).double() / num
+        bound = 0.5 * torch.sqrt(p1 * (1 - p1) / num).sum() + math.sqrt(math.log(1e6) / (2 * num))
+        assert 0.5 * (hist - p1[0]).abs().sum() <= bound, t
+    assert (solve_resispec_T(p1, q1, n) > 1).all()
+
+
+# ---------------------------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("name", ["chain", "rrs", "kseq", "resispec", "hub"])
+def test_acceptance_gradients(name):
+    """Finite gradients w.r.t. q's logits (also where q = 0 or p = 0), equal to finite differences with the
+    solver constants (T*, rho*, top set) held fixed, and an ascent step increases alpha."""
+    n = 3
+    p, q0 = random_pairs(6, 12, seed=21)
+    logits = torch.log(q0).clamp_min(-30)  # q = 0 -> tiny but the gradient path through softmax stays finite
+    logits[:, 5] = float("-inf")  # an exact zero in q
+    rule = VERIFIERS[name]
+    z = logits.clone().requires_grad_(True)
+    alpha = rule.acceptance(p, torch.softmax(z, -1), n)
+    (grad,) = torch.autograd.grad(alpha.sum(), z)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+    if name in ("kseq", "resispec"):  # hold T* / rho* fixed for the finite differences
+        solver = solve_resispec_T if name == "resispec" else solve_kseq_rho
+        t = solver(p, torch.softmax(logits, -1), n)
+
+        def fixed(zz):
+            return capped_mass(p, torch.softmax(zz, -1), t)
+    else:
+
+        def fixed(zz):
+            return rule.acceptance(p, torch.softmax(zz, -1), n)
+
+    eps = 1e-6
+    for row, col in [(0, 0), (1, 3), (2, 7), (3, 5), (4, 1)]:
+        dz = torch.zeros_like(logits)
+        dz[row, col] = eps
+        if not math.isfinite(logits[row, col].item()):
+            assert grad[row, col] == 0
+            continue
+        fd = (fixed(logits + dz) - fixed(logits - dz))[row].item() / (2 * eps)
+        assert fd == pytest.approx(grad[row, col].item(), abs=1e-5)
+
+    step = logits + 0.05 * grad.nan_to_num(0) / grad.abs().max()
+    assert (rule.acceptance(p, torch.softmax(step, -1), n) >= alpha.detach() - 1e-12).all()
+    assert (rule.acceptance(p, torch.softmax(step, -1), n) > alpha.detach()).any()
+
+
+def test_acceptance_grad_wrt_p_is_finite():
+    p, q = random_pairs(4, 10, seed=5)
+    for name in ("chain", "rrs", "kseq", "resispec", "hub", "onehot"):
+        pp = p.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(VERIFIERS[name].acceptance(pp, q, 3).sum(), pp)
+        assert torch.isfinite(g).all()
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+def test_registry_and_protocol():
+    for key, rule in VERIFIERS.items():
+        assert rule.name == key and rule.scheme in SCHEMES
+    for name in ("chain", "onehot", "rrs", "rsd", "kseq", "hub", "gumbel", "resispec"):
+        assert name in VERIFIERS
+    with pytest.raises(ValueError):
+        register(type(VERIFIERS["rrs"])())  # a second object under a taken name
+    with pytest.raises(ValueError):
+        register(object())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(VERIFIERS))
+def test_cuda_matches_contract(name):
+    """Same code on CUDA: exact on one pair (TV bound) with a CUDA generator."""
+    p1, q1 = random_pairs(1, 1000, seed=6, dtype=torch.float32)
+    num = 50_000
+    p = p1.cuda().expand(num, -1).contiguous()
+    q = q1.cuda().expand(num, -1).contiguous()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rule = VERIFIERS[name]
+    token, slot = rule.verify(p, rule.propose(q, 4, gen), gen)
+    hist = torch.bincount(token, minlength=p.shape[1]).double().cpu() / num
+    pd = p1[0].double()
+    bound = 0.5 * torch.sqrt(pd * (1 - pd) / num).sum() + math.sqrt(math.log(1e6) / (2 * num))
+    assert 0.5 * (hist - pd).abs().sum() <= bound
+    alpha = closed_form(name, p1.cuda(), q1.cuda(), 4)
+    if alpha is not None:
+        alpha = alpha.item()
+        se = math.sqrt(max(alpha * (1 - alpha), 1 / num) / num)
+        assert abs((slot >= 0).double().mean().item() - alpha) <= 4 * se
