@@ -108,6 +108,13 @@ class SpeculativeDecoder:
         self.device = next(target.parameters()).device
         if next(draft.parameters()).device != self.device:
             raise ValueError("target and draft must be on the same device")
+        for name, model in (("target", target), ("draft", draft)):
+            impl = getattr(model.config, "_attn_implementation", "sdpa")
+            if impl not in ("sdpa", "eager"):
+                raise ValueError(
+                    f"the {name} uses attn_implementation={impl!r}; the tree mask needs 'sdpa' or 'eager' "
+                    "(load with attn_implementation='sdpa')"
+                )
         self.timing = timing
         self.greedy_topk = greedy_topk
         self._target_fwd: Callable = target
