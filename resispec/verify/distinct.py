@@ -53,19 +53,23 @@ LAMBDA_SEARCH_TOKENS = 256  # the lam search looks at this many tokens (largest 
 
 
 def _transport(p: Tensor, q: Tensor, lam: Tensor):
-    """Step quantities for target residual p, draw distribution q (both [B, V]) and lam [B, 1] (docstring)."""
-    c = torch.minimum((p - lam * q).clamp(min=0.0), q)  # [B, V] mass accepted now
-    big_r = (p - c).clamp(min=0.0)  # [B, V] target mass left (column sums of M)
-    r = (q - c).clamp(min=0.0)  # [B, V] rejection mass per drawn token (row sums of M)
+    """Step quantities for target residual p, draw distribution q (both [B, V]) and lam [B, 1] (docstring).
+    Without autograd it works in place where it can: at V = 32k every [B, V] temporary is a large allocation."""
+    if p.requires_grad or q.requires_grad:
+        c = torch.minimum((p - lam * q).clamp(min=0.0), q)
+    else:
+        c = torch.addcmul(p, lam, q, value=-1.0).clamp_(min=0.0)
+        c = torch.minimum(c, q, out=c)
+    big_r = p - c  # [B, V] target mass left (column sums of M); c <= p
+    r = q - c  # [B, V] rejection mass per drawn token (row sums of M); c <= q
     s = r / (1.0 - q).clamp(min=1e-12)  # [B, V]
-    kappa = q * (s.sum(-1, keepdim=True) - s)  # [B, V] column sums of K
-    rho = torch.where(kappa > 0, (big_r / kappa.clamp(min=_TINY)).clamp(max=1.0), torch.ones_like(big_r))
-    q_rho = q * rho  # [B, V]
+    den = (s.sum(-1, keepdim=True) - s).clamp(min=_TINY)  # [B, V]; kappa = q * den: column sums of K
+    kappa = q * den
+    q_rho = torch.minimum(q, big_r / den)  # q * min(1, R / kappa): the columns of K cut down to fit R
     d = (r - s * (q_rho.sum(-1, keepdim=True) - q_rho)).clamp(min=0.0)  # [B, V] row deficits
     e = (big_r - kappa).clamp(min=0.0)  # [B, V] column deficits (Σ d = Σ e)
     diag = torch.minimum(d, e)  # [B, V] deficit routed back onto the rejected token itself
-    d_rest, e_rest = d - diag, e - diag
-    return c, big_r, r, s, kappa, q_rho, diag, d_rest, e_rest
+    return c, big_r, r, s, kappa, q_rho, diag, d - diag, e - diag
 
 
 def two_step_value(p: Tensor, q: Tensor, lam: Tensor) -> Tensor:
@@ -127,11 +131,11 @@ class ResiSpecWORRule:
         draws = proposal.tokens  # [B, n]
         bsz, n = draws.shape
         token = torch.full((bsz,), -1, dtype=torch.long, device=p.device)
-        u_all = uniform((bsz, n), p.double(), generator)  # [B, n]
-        rows = torch.arange(
-            bsz, device=p.device
-        )  # rows still undecided; the state below is kept for them only
-        pc = p.double() / p.double().sum(-1, keepdim=True)  # [R, V] float64: exactness rests on identities
+        p64 = p.double()
+        u_all = uniform((bsz, n), p64, generator)  # [B, n]
+        # rows still undecided; the state below (pc, qc: [R, V]) is kept for them only
+        rows = torch.arange(bsz, device=p.device)
+        pc = p64 / p64.sum(-1, keepdim=True)  # float64: exactness rests on the margin identities
         qc = proposal.q.double()
         qc = qc / qc.sum(-1, keepdim=True)
         for i in range(n):
@@ -139,9 +143,7 @@ class ResiSpecWORRule:
             xi = x.clamp_min(0)[:, None]  # [R, 1]
             qx = torch.where(x >= 0, qc.gather(-1, xi)[:, 0], torch.zeros_like(pc[:, 0]))
             px = pc.gather(-1, xi)[:, 0]
-            left = torch.minimum(
-                torch.full_like(x, n - i), (qc > 0).sum(-1)
-            )  # real draws left, this one included
+            left = torch.minimum(torch.full_like(x, n - i), (qc > 0).sum(-1))  # real draws left, incl. this
             real = qx > 0  # an empty slot (past q's support) is no draw
             shaped = real & (left >= 2)
             lam = choose_lambda(pc, qc) if bool(shaped.any()) else torch.zeros_like(pc[:, :1])
@@ -157,24 +159,29 @@ class ResiSpecWORRule:
             )
             if rows.numel() == 0:
                 break
-            greedy_res = (pc - qc).clamp(min=0.0)
-            gsum = greedy_res.sum(-1, keepdim=True)
-            greedy_res = torch.where(gsum > 0, greedy_res / gsum.clamp(min=_TINY), pc)
-            new_p = torch.where(
-                shaped[:, None], residual_after_reject(pc, qc, lam, x.clamp_min(0)), greedy_res
-            )
-            pc = torch.where(real[:, None], new_p, pc)
+            new_p = pc
+            if bool(shaped.any()):
+                new_p = torch.where(shaped[:, None], residual_after_reject(pc, qc, lam, x.clamp_min(0)), pc)
+            greedy = real & ~shaped
+            if bool(greedy.any()):  # the last draw (or q's support is down to one token)
+                greedy_res = (pc - qc).clamp(min=0.0)
+                gsum = greedy_res.sum(-1, keepdim=True)
+                greedy_res = torch.where(gsum > 0, greedy_res / gsum.clamp(min=_TINY), pc)
+                new_p = torch.where(greedy[:, None], greedy_res, new_p)
+            pc = new_p
+            if i == n - 1:
+                break
             q_next = qc.scatter(-1, xi, 0.0)
             qsum = q_next.sum(-1, keepdim=True)
             q_next = torch.where(qsum > 0, q_next / qsum.clamp(min=_TINY), q_next)
             qc = torch.where(real[:, None], q_next, qc)
         if rows.numel():
-            token[rows] = sample_weights(pc.clamp(min=0.0), generator, p[rows].double())
+            token[rows] = sample_weights(pc.clamp(min=0.0), generator, p64[rows])
         return token, first_slot(draws, token)
 
     def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
         """Closed form for n <= 2 (module docstring): p, q [B, V] -> [B], differentiable (lam is a constant).
-        Assumes q has at least n tokens of positive mass. No closed form for n > 2 (estimate by sampling)."""
+        No closed form for n > 2 (estimate by sampling)."""
         check_pair(p, q)
         if check_draws(n) == 1:
             return torch.minimum(p, q).sum(-1)
@@ -185,4 +192,6 @@ class ResiSpecWORRule:
         pd, qd = p.double(), q.double()
         with torch.no_grad():
             lam = choose_lambda(pd.detach(), qd.detach())
-        return two_step_value(pd, qd, lam).to(p.dtype)
+        alpha = two_step_value(pd, qd, lam)
+        single = (q > 0).sum(-1) < 2  # one real draw (q's support is one token): the greedy step alone
+        return torch.where(single, torch.minimum(pd, qd).sum(-1), alpha).to(p.dtype)
