@@ -10,8 +10,9 @@ before drafting, so a choice that looks only at q (and n) keeps every node exact
     alpha = rule.acceptance(p, q, n)                 # exact; raises if a row's branch has no closed form
     alpha = rule.surrogate_acceptance(p, q, n)       # never raises: a surrogate on those rows (below)
 
-Policy (`AutoPolicy`): a feature of q (`max_q` or `entropy`, in nats) against a threshold, optionally per n (the
-small table `python -m resispec.verify.headroom` calibrates), plus the two rules to use. Load a calibrated policy
+Policy (`AutoPolicy`): a feature of q (`max_q` or `entropy`, in nats) against a threshold, plus the two rules to
+use; threshold and distinct rule can be set per n (the small table `python -m resispec.verify.headroom`
+calibrates). The rule API gives no depth, so the policy uses q and n only. Load a calibrated policy
 with `configure_auto(AutoPolicy.load(path))`, or point the environment variable RESISPEC_AUTO_POLICY at the JSON file
 before `resispec.verify` is imported.
 
