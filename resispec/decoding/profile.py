@@ -41,85 +41,74 @@ def bench_pair(
     seed: int = 0,
     repeats: int = 2,
 ) -> list[dict]:
-    """One row per (temperature, method). Every method decodes the same prompts; the first prompt is decoded once
-    untimed per method as warm-up, then the prompt set `repeats` times, keeping the fastest pass (a shared, noisy
-    machine only ever slows a pass down). HF assisted rows use `num_assistant_tokens` = k, constant schedule."""
+    """One row per (temperature, method); every method decodes the same prompts.
+
+    Methods run interleaved, `repeats` rounds, after one untimed warm-up each; a method's row is its fastest round
+    (a shared, noisy machine only ever slows a round down, and interleaving spreads load drift over all methods).
+    HF assisted rows use `num_assistant_tokens` = k with the constant schedule."""
     rows = []
     for temp in temperatures:
         settings = dict(max_new_tokens=max_new_tokens, temperature=temp, eos_token_id=[])
-        base = SpeculativeDecoder(target, draft, rule=rules[0], tree=trees[0])
-
-        def run_ar(dec=base, settings=settings):
-            return sum(dec.generate_autoregressive(p, **settings).stats.num_new_tokens for p in prompts)
-
-        base.generate_autoregressive(prompts[0], **settings)
-        ar_s, ar_tokens = min(_timed(run_ar) for _ in range(repeats))
-        ar_tps = ar_tokens / ar_s
-        rows.append(dict(temperature=temp, method="AR", tokens_per_s=ar_tps, tau=1.0, speedup=1.0))
+        methods: dict[str, object] = {}
+        ar_dec = SpeculativeDecoder(target, draft, rule=rules[0], tree=trees[0])
+        methods["AR"] = lambda gen, d=ar_dec, s=settings: [
+            d.generate_autoregressive(p, **s).stats for p in prompts
+        ]
         for rule in rules:
             for tree in trees:
                 dec = SpeculativeDecoder(target, draft, rule=rule, tree=tree)
-                dec.generate(prompts[0], **settings)
-                best = None
-                for rep in range(repeats):
-                    gen = torch.Generator(device=prompts[0].device).manual_seed(seed + rep)
-                    t0 = time.perf_counter()
-                    stats = [dec.generate(p, generator=gen, **settings).stats for p in prompts]
-                    seconds = time.perf_counter() - t0
-                    if best is None or seconds < best[0]:
-                        best = (seconds, stats)
-                seconds, stats = best
-                tokens = sum(st.num_new_tokens for st in stats)
-                tau_num = sum(st.num_accepted_tokens + st.num_drafts for st in stats)
-                tau_den = sum(st.num_drafts for st in stats)
-                draft_s, target_s = (
-                    sum(st.draft_seconds for st in stats),
-                    sum(st.target_seconds for st in stats),
-                )
-                d_fw, t_fw = sum(st.draft_forwards for st in stats), sum(st.target_forwards for st in stats)
-                acc = [sum(col) for col in zip(*(st.accepted_per_position for st in stats), strict=True)]
-                reach = [sum(col) for col in zip(*(st.reached_per_position for st in stats), strict=True)]
-                rows.append(
-                    dict(
-                        temperature=temp,
-                        method=f"{rule} {list(tree)}",
-                        tokens_per_s=tokens / seconds,
-                        tau=tau_num / max(tau_den, 1),
-                        per_depth=[round(a / r, 2) if r else 0.0 for a, r in zip(acc, reach, strict=True)],
-                        c=(draft_s / max(d_fw, 1)) / (target_s / max(t_fw, 1)),
-                        speedup=tokens / seconds / ar_tps,
-                    )
-                )
+                methods[f"{rule} {list(tree)}"] = lambda gen, d=dec, s=settings: [
+                    d.generate(p, generator=gen, **s).stats for p in prompts
+                ]
         for k in hf_assisted:
-            draft.generation_config.num_assistant_tokens = k
-            draft.generation_config.num_assistant_tokens_schedule = "constant"
-            hf_kwargs = dict(
-                assistant_model=draft,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=temp > 0,
-                pad_token_id=0,
-            )
+            kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=temp > 0)
             if temp > 0:
-                hf_kwargs.update(temperature=temp, top_k=0, top_p=1.0)
+                kwargs.update(temperature=temp, top_k=0, top_p=1.0)
 
-            def run_hf(hf_kwargs=hf_kwargs):
+            def run_hf(gen, k=k, kwargs=kwargs):
+                draft.generation_config.num_assistant_tokens = k
+                draft.generation_config.num_assistant_tokens_schedule = "constant"
                 n = 0
                 for p in prompts:
-                    out = target.generate(p, attention_mask=torch.ones_like(p), **hf_kwargs)
+                    out = target.generate(
+                        p, attention_mask=torch.ones_like(p), assistant_model=draft, pad_token_id=0, **kwargs
+                    )
                     n += out.shape[1] - p.shape[1]
                 return n
 
-            target.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), **hf_kwargs)
-            hf_s, hf_tokens = min(_timed(run_hf) for _ in range(repeats))
-            rows.append(
-                dict(
-                    temperature=temp,
-                    method=f"HF assisted k={k}",
-                    tokens_per_s=hf_tokens / hf_s,
-                    speedup=hf_tokens / hf_s / ar_tps,
-                )
+            methods[f"HF assisted k={k}"] = run_hf
+        best: dict[str, tuple[float, object]] = {}
+        for rnd in range(repeats + 1):
+            for name, fn in methods.items():
+                gen = torch.Generator(device=prompts[0].device).manual_seed(seed + rnd)
+                seconds, out = _timed(lambda fn=fn, gen=gen: fn(gen))
+                if rnd > 0 and (name not in best or seconds < best[name][0]):  # round 0 = warm-up
+                    best[name] = (seconds, out)
+        ar_tps = sum(st.num_new_tokens for st in best["AR"][1]) / best["AR"][0]
+        for name, (seconds, out) in best.items():
+            if isinstance(out, int):  # HF assisted: a token count
+                rows.append(dict(temperature=temp, method=name, tokens_per_s=out / seconds))
+                rows[-1]["speedup"] = rows[-1]["tokens_per_s"] / ar_tps
+                continue
+            tokens = sum(st.num_new_tokens for st in out)
+            row = dict(
+                temperature=temp,
+                method=name,
+                tokens_per_s=tokens / seconds,
+                speedup=tokens / seconds / ar_tps,
             )
+            if name != "AR":
+                num_drafts = sum(st.num_drafts for st in out)
+                acc = [sum(col) for col in zip(*(st.accepted_per_position for st in out), strict=True)]
+                reach = [sum(col) for col in zip(*(st.reached_per_position for st in out), strict=True)]
+                d_s, t_s = sum(st.draft_seconds for st in out), sum(st.target_seconds for st in out)
+                d_fw, t_fw = sum(st.draft_forwards for st in out), sum(st.target_forwards for st in out)
+                row.update(
+                    tau=(sum(st.num_accepted_tokens for st in out) + num_drafts) / max(num_drafts, 1),
+                    per_depth=[round(a / r, 2) if r else 0.0 for a, r in zip(acc, reach, strict=True)],
+                    c=(d_s / max(d_fw, 1)) / (t_s / max(t_fw, 1)),
+                )
+            rows.append(row)
     return rows
 
 
