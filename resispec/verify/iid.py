@@ -98,8 +98,7 @@ def solve_resispec_T(
     check_pair(p, q)
     check_draws(n)
     profile = profile or RatioProfile.build(p, q)
-    acc = profile.p_prefix.dtype
-    total = profile.p_prefix[:, -1].to(acc)  # sum p (1 up to rounding)
+    total = profile.total  # sum p (1 up to rounding)
     lo = torch.ones_like(total)
     hi = torch.full_like(total, float(n))
     for _ in range((bisection_steps(p.dtype) if steps is None else steps) if n > 1 else 0):
@@ -124,7 +123,7 @@ def solve_kseq_rho(
     check_pair(p, q)
     check_draws(n)
     profile = profile or RatioProfile.build(p, q)
-    total = profile.p_prefix[:, -1]
+    total = profile.total
     lo = torch.ones_like(total)
     hi = torch.full_like(total, float(n))
     for _ in range((bisection_steps(p.dtype) if steps is None else steps) if n > 1 else 0):
@@ -193,9 +192,8 @@ def greedy_plan(p: Tensor, q: Tensor, n: int) -> WindowPlan:
 
 def shaped_plan(p: Tensor, q: Tensor, n: int, t: Tensor, profile: RatioProfile) -> WindowPlan:
     """resispec: late-filling windows stacked down from T, with the ACTUAL mu_i (from the profile)."""
-    acc = profile.p_prefix.dtype
-    t = t.to(acc)
-    total = profile.p_prefix[:, -1]
+    t = t.to(profile.total.dtype)
+    total = profile.total
     f_top = profile.capped_mass(t)
     mus, los, his = [total], [], []
     s = t

@@ -10,6 +10,7 @@ F for a finite t (min(p, t * 0) = 0), which is exactly right.
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ Tensor = torch.Tensor
 # numpy's SIMD sort of int64 is ~4x faster than torch.sort on CPU; it releases the GIL, so row chunks run
 # on threads. Only used for float32 CPU input (the packed key below needs 32-bit floats).
 _NP_MIN_VOCAB = 4096
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _np_sort_rows(key: Tensor) -> Tensor:
@@ -42,18 +44,21 @@ def _np_sort_rows(key: Tensor) -> Tensor:
 
 
 def sort_by_ratio(p: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(w, p, q) of every row sorted by increasing w = p/q (q = 0 -> w = inf). p, q [B, V] -> 3 x [B, V]."""
-    inf = torch.full_like(p, float("inf"))
-    w = torch.where(q > 0, p / torch.where(q > 0, q, torch.ones_like(q)), inf)  # [B, V]
-    if p.device.type == "cpu" and p.dtype == torch.float32 and p.shape[-1] >= _NP_MIN_VOCAB:
-        # w, q >= 0: their float32 bit patterns order like the values, so one int64 key (w bits, q bits)
-        # sorts by w and carries q along; no argsort + gathers needed. p is rebuilt as w * q.
-        key = (w.view(torch.int32).to(torch.int64) << 32) | q.view(torch.int32).to(torch.int64)
-        key = _np_sort_rows(key)
-        w_s = (key >> 32).to(torch.int32).view(torch.float32)
-        q_s = (key & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
-        p_s = torch.where(q_s > 0, w_s * q_s, torch.zeros_like(q_s))
-        return w_s, p_s, q_s
+    """(w, p, q) of every row sorted by increasing w = p/q (q = 0 -> w = inf). p, q [B, V] -> 3 x [B, V].
+    Entries with w = inf may carry p = nan; they sit at the end and never enter F for a finite t."""
+    w = torch.nan_to_num(p / q, nan=float("inf"), posinf=float("inf"))  # [B, V]; p = q = 0 -> inf as well
+    if (
+        p.device.type == "cpu"
+        and p.dtype == torch.float32
+        and p.shape[-1] >= _NP_MIN_VOCAB
+        and _LITTLE_ENDIAN
+    ):
+        # w, q >= 0: their float32 bit patterns order like the values, so one int64 key (w bits high, q bits
+        # low) sorts by w and carries q along: no argsort and no gathers. p is rebuilt as w * q.
+        key = torch.stack([q, w], -1).view(torch.int64)[..., 0]  # [B, V]
+        pair = _np_sort_rows(key).view(torch.float32).view(*p.shape, 2)  # [B, V, 2] = (q, w)
+        w_s, q_s = pair[..., 1], pair[..., 0]
+        return w_s, w_s * q_s, q_s
     w_s, order = torch.sort(w, dim=-1)
     return w_s, p.gather(-1, order), q.gather(-1, order)
 
@@ -66,6 +71,7 @@ class RatioProfile:
     p_prefix: Tensor  # [B, V + 1] sum of p over the k smallest ratios
     q_prefix: Tensor  # [B, V + 1]
     q_total: Tensor  # [B]
+    total: Tensor  # [B] sum p (1 up to rounding)
 
     @classmethod
     @torch.no_grad()
@@ -73,9 +79,11 @@ class RatioProfile:
         w_s, p_s, q_s = sort_by_ratio(p.detach(), q.detach())
         acc = torch.float64 if p.device.type == "cpu" or p.dtype == torch.float64 else torch.float32
         zero = torch.zeros(p.shape[0], 1, dtype=acc, device=p.device)
-        p_prefix = torch.cat([zero, torch.cumsum(p_s, -1, dtype=acc)], -1)
+        p_prefix = torch.cat(
+            [zero, torch.cumsum(p_s, -1, dtype=acc)], -1
+        )  # nan past the first w = inf: unused
         q_prefix = torch.cat([zero, torch.cumsum(q_s, -1, dtype=acc)], -1)
-        return cls(w_s.contiguous(), p_prefix, q_prefix, q_prefix[:, -1])
+        return cls(w_s.contiguous(), p_prefix, q_prefix, q_prefix[:, -1], p.detach().sum(-1, dtype=acc))
 
     @torch.no_grad()
     def capped_mass(self, t: Tensor) -> Tensor:

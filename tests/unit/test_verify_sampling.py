@@ -108,7 +108,7 @@ def test_sampling_exact_on_reference_cases(groups, name):
 
 LARGE_V = 32_768
 LARGE_N = 4
-LARGE_SAMPLES = 4_096
+LARGE_SAMPLES = 2_048
 LARGE_BATCH = 512
 
 
