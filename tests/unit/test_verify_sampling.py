@@ -24,7 +24,7 @@ from scipy import stats
 from resispec.verify import VERIFIERS
 from tests.unit.test_verify_reference import load_cases
 
-NUM_PER_CASE = 10_000
+NUM_PER_CASE = 10_000  # default run; test_..._100k (slow) uses 100k
 DELTA = 1e-6
 NUM_SE = 4.0
 
@@ -75,21 +75,33 @@ def groups() -> list[tuple[int, list[dict], torch.Tensor, torch.Tensor]]:
 
 @pytest.mark.parametrize("name", sorted(VERIFIERS))
 def test_sampling_exact_on_reference_cases(groups, name):
+    check_sampling(groups, name, NUM_PER_CASE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(VERIFIERS))
+def test_sampling_exact_on_reference_cases_100k(groups, name):
+    """The same check at 100k verifications per case (tighter bounds; minutes on 2 cores)."""
+    check_sampling(groups, name, 100_000)
+
+
+def check_sampling(groups, name: str, num_per_case: int) -> None:
+    """Each case repeated num_per_case times, verified in one batch per n; TV and acceptance bounds."""
     rule = VERIFIERS[name]
     gen = torch.Generator().manual_seed(1234)
     for n, group, p64, q64 in groups:
         num_cases, vocab = p64.shape
-        # float32 rows, each case repeated NUM_PER_CASE times: [C * N, V]
-        p = p64.float().repeat_interleave(NUM_PER_CASE, 0)
-        q = q64.float().repeat_interleave(NUM_PER_CASE, 0)
+        # float32 rows, each case repeated num_per_case times: [C * N, V]
+        p = p64.float().repeat_interleave(num_per_case, 0)
+        q = q64.float().repeat_interleave(num_per_case, 0)
         proposal = rule.propose(q, n, gen)
         assert proposal.tokens.shape == (p.shape[0], n) and proposal.tokens.dtype == torch.long
         token, slot = rule.verify(p, proposal, gen)
         check_slots(proposal.tokens, token, slot)
-        case_id = torch.arange(num_cases).repeat_interleave(NUM_PER_CASE)
+        case_id = torch.arange(num_cases).repeat_interleave(num_per_case)
         hist = torch.bincount(case_id * vocab + token, minlength=num_cases * vocab).view(num_cases, vocab)
-        tv = 0.5 * (hist.double() / NUM_PER_CASE - p64).abs().sum(-1)
-        bound = tv_bound(p64, NUM_PER_CASE)
+        tv = 0.5 * (hist.double() / num_per_case - p64).abs().sum(-1)
+        bound = tv_bound(p64, num_per_case)
         assert (tv <= bound).all(), (name, n, tv.tolist(), bound.tolist())
 
         want = closed_form(name, p64, q64, n, group)
@@ -97,9 +109,9 @@ def test_sampling_exact_on_reference_cases(groups, name):
             continue
         acc = (
             torch.zeros(num_cases, dtype=torch.float64).index_add_(0, case_id, (slot >= 0).double())
-            / NUM_PER_CASE
+            / num_per_case
         )
-        se = torch.sqrt(torch.clamp(want * (1 - want), min=1 / NUM_PER_CASE) / NUM_PER_CASE)
+        se = torch.sqrt(torch.clamp(want * (1 - want), min=1 / num_per_case) / num_per_case)
         z = (acc - want).abs() / se
         assert (z <= NUM_SE).all(), (name, n, acc.tolist(), want.tolist())
 
@@ -108,7 +120,7 @@ def test_sampling_exact_on_reference_cases(groups, name):
 
 LARGE_V = 32_768
 LARGE_N = 4
-LARGE_SAMPLES = 2_048
+LARGE_SAMPLES = 1_024
 LARGE_BATCH = 512
 
 
