@@ -420,6 +420,14 @@ def _distill(
     bar.close()
 
     # ---- the outputs: draft/ = best by held-out simulated tau
+    if not ckpt.sync_flag(accelerator, (run_dir / "best").is_dir()):  # no training step ran (max_steps=0)
+        metrics_now = evaluate_now()
+        ckpt.export_draft(accelerator, draft_model, tok, run_dir / "best", draft.adapter == "lora")
+        if draft.adapter == "lora":
+            ckpt.export_adapter(accelerator, draft_model, run_dir / "best_adapter")
+        if is_main:
+            ckpt.write_json_atomic(run_dir / "best_metrics.json", {"step": state.step, **metrics_now})
+    accelerator.wait_for_everyone()
     best_metrics = _read_json(run_dir / "best_metrics.json")
     if is_main and (run_dir / "best").is_dir():
         ckpt.copy_dir_atomic(run_dir / "best", run_dir / "draft")

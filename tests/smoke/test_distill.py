@@ -165,6 +165,13 @@ def test_rule_without_closed_form_is_a_config_error(pair, tmp_path):
         run_distill(pair, tmp_path / "rsd", loss=LossConfig(rule="rsd"))
 
 
+def test_zero_steps_still_exports_the_draft(pair, tmp_path):
+    train = TrainConfig(num_threads=1, max_steps=0, batch_size=4, eval_positions=20)
+    result = run_distill(pair, tmp_path / "zero", train=train)
+    assert (result.draft_dir / "model.safetensors").exists()
+    assert result.metrics["after"]["tau"] == result.metrics["before"]["tau"]
+
+
 def test_empty_dataset_is_a_clear_error(pair, tmp_path):
     import datasets
 
