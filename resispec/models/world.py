@@ -338,6 +338,52 @@ def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
     }
 
 
+def retrain_draft(world: WorldConfig, progress: bool = True) -> dict:
+    """Train the built world's draft again (same config and seed) and update its checkpoint and report.
+
+    For a build whose draft was starved by a loaded machine (its minute cap hit after few steps); the target and
+    the tokenizer are untouched, so regenerated data stays valid."""
+    from transformers import AutoTokenizer
+
+    from resispec.models.factory import make_llama, num_params
+    from resispec.models.pretraining import eval_windows, forward_ms, heldout_loss, train_lm
+
+    paths = load_world(world)
+    if paths is None:
+        raise RuntimeError(f"world {world.name} is not built yet (python train/pretrain.py)")
+    with _lock(paths.root.parent / f"{paths.root.name}.lock"):
+        report = paths.report
+        tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
+        train_ids = np.load(paths.splits_dir / "train.npy")
+        windows = eval_windows(np.load(paths.splits_dir / "validation.npy"), world.target_train.seq_len, 64)
+        torch.manual_seed(world.seed + 1)
+        model = make_llama(world.draft, report["vocab_size"], world.max_position_embeddings, tokenizer)
+        stats = train_lm(model, train_ids, world.draft_train, world.seed + 1, f"{world.name} draft", progress)
+        loss = heldout_loss(model, windows)
+        stats.update(
+            params=num_params(model),
+            size=asdict(world.draft),
+            num_layers=world.draft.num_layers,
+            heldout_loss=round(loss, 4),
+            heldout_ppl=round(float(np.exp(loss)), 2),
+            forward_ms=round(forward_ms(model, report["vocab_size"]), 3),
+        )
+        for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            setattr(model.generation_config, key, getattr(tokenizer, key))
+        model.save_pretrained(paths.draft_dir)
+        tokenizer.save_pretrained(paths.draft_dir)
+        report.setdefault("draft_first_build", report["draft"])
+        report["draft"] = stats
+        report.update(
+            draft_loss=stats["heldout_loss"], draft_ppl=stats["heldout_ppl"], draft_ms=stats["forward_ms"]
+        )
+        report["draft_target_cost_ratio"] = round(report["draft_ms"] / report["target_ms"], 4)
+        (paths.root / "report.json").write_text(json.dumps(report, indent=2))
+    if progress:
+        print(format_report(report))
+    return report
+
+
 def remeasure_speed(world: WorldConfig, reps: int = 60) -> dict:
     """Measure the built world's per-token forward times again (e.g. on an idle machine) and update report.json.
 
