@@ -76,11 +76,11 @@ class WorldConfig:
     # same function and costs grow_factor x per token; `target_grow_train` then trains all layers briefly.
     grow_factor: int = 3
     target_train: PretrainConfig = field(
-        default_factory=lambda: PretrainConfig(max_steps=450, max_minutes=30.0)
+        default_factory=lambda: PretrainConfig(max_steps=450, max_minutes=60.0)
     )
     target_grow_train: PretrainConfig = field(
-        default_factory=lambda: PretrainConfig(max_steps=60, max_minutes=8.0, lr=1e-3, warmup_steps=10)
+        default_factory=lambda: PretrainConfig(max_steps=60, max_minutes=20.0, lr=1e-3, warmup_steps=10)
     )
     draft_train: PretrainConfig = field(
-        default_factory=lambda: PretrainConfig(max_steps=200, max_minutes=4.0, warmup_steps=20)
+        default_factory=lambda: PretrainConfig(max_steps=200, max_minutes=15.0, warmup_steps=20)
     )
