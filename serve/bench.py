@@ -2,7 +2,7 @@
 
   python serve/bench.py                        # the tiny pair: AR vs each rule x tree, HF assisted; report.md/json/png
   python serve/bench.py +recipe=debug          # the micro pair, a few seconds of work
-  python serve/bench.py bench.draft_label=initial "+bench.drafts={distilled: 'outputs/distill/tiny/<run>/final'}"
+  python serve/bench.py bench.draft_label=initial "+bench.drafts={distilled: 'outputs/distill/tiny/latest/draft'}"
   python serve/bench.py --server http://127.0.0.1:8000 bench.concurrency=8 bench.num_requests=64   # load test
 
 Outputs go to bench.output_dir, else the Hydra run folder (outputs/bench/<name>/<time>/).
