@@ -1,10 +1,7 @@
 import pytest
 import torch
 
-try:  # the shared micro-world fixture (session scoped); see tests/fixtures_world.py
-    from tests.fixtures_world import micro_world  # noqa: F401
-except ImportError:  # pragma: no cover - only while the world module is being written
-    pass
+from tests.fixtures_world import micro_world  # noqa: F401  (the shared session-scoped micro world)
 
 
 def pytest_collection_modifyitems(config, items):
