@@ -264,8 +264,9 @@ def _distill(
         target_id = resolve_model_path(target.path, world)
         key = cache_key(target_id, packed._fingerprint, train.cached_top_k, decode.temperature)
         cache_path = data_cache_dir(data, world) / "target_topk" / key
-        if is_main:
-            build_cache(
+
+        def topk_cache(show_progress: bool):  # builds once (main process), then every process loads it
+            return build_cache(
                 target_model,
                 packed,
                 cache_path,
@@ -273,22 +274,13 @@ def _distill(
                 decode.temperature,
                 train.batch_size,
                 device,
-                show_progress=is_main,
+                show_progress,
             )
+
+        if is_main:
+            topk_cache(True)
         accelerator.wait_for_everyone()
-        packed = attach_cache(
-            packed,
-            build_cache(
-                target_model,
-                packed,
-                cache_path,
-                train.cached_top_k,
-                decode.temperature,
-                train.batch_size,
-                device,
-                False,
-            ),
-        )
+        packed = attach_cache(packed, topk_cache(False))
     elif train.target_signal != "online":
         raise DistillConfigError(f"train.target_signal must be online or cached, got {train.target_signal!r}")
 
