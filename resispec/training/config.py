@@ -38,19 +38,19 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 300
+    max_steps: int = 150
     batch_size: int = 8
     grad_accum: int = 1
     target_signal: str = "online"  # online | cached (top-K target log-probs + tail mass)
     cached_top_k: int = 64
-    eval_every: int = 100
-    save_every: int = 100
+    eval_every: int = 50
+    save_every: int = 50
     keep_checkpoints: int = 2
     resume: bool = False
     seed: int = 0
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     output_dir: str | None = None  # default: the Hydra run folder
-    eval_positions: int = 2048  # held-out positions for alpha / tau
+    eval_positions: int = 1024  # held-out positions for alpha / tau
     num_threads: int | None = None  # torch CPU threads during the run; None = torch's default (all cores)
 
 
