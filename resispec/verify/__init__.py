@@ -13,9 +13,6 @@ slot = first draw of the emitted token) are in `resispec.verify.base`. Add a rul
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 from resispec.verify.base import SCHEMES, Proposal, VerificationRule
 from resispec.verify.bounds import optimal_acceptance
 from resispec.verify.iid import (
@@ -65,6 +62,6 @@ __all__ = [
     "solve_resispec_T",
 ]
 
-# resispec_auto (per-node choice of drafting scheme) lives in auto.py and registers itself when present.
-if importlib.util.find_spec("resispec.verify.auto") is not None:
-    importlib.import_module("resispec.verify.auto")
+# resispec_auto (per-node choice of drafting scheme) and resispec_wor (shaping for distinct draws) register
+# themselves; imported last because they build on the rules above.
+from resispec.verify import auto as _auto  # noqa: E402, F401
