@@ -16,7 +16,7 @@ from resispec.config import ResiSpecConfig
 
 def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: dict | None = None) -> dict:
     """Run world -> distill -> bench under `output_dir` (distill/ and bench/ sub-folders). Returns a summary."""
-    from resispec.models import ensure_world
+    from resispec.models import ensure_world, format_report
     from resispec.serving.bench import run_bench
     from resispec.training import distill, format_metrics
 
@@ -25,7 +25,7 @@ def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: d
 
     t0 = time.perf_counter()
     if any(m.path.startswith("world:") for m in (cfg.target, cfg.draft)):
-        ensure_world(cfg.world)  # prints the world report (losses, perplexities, ms/token) when it builds
+        print(format_report(ensure_world(cfg.world).report))  # losses, perplexities, ms/token of the pair
     timings["world_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

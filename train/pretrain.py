@@ -19,7 +19,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="pretrain")
 def main(cfg: DictConfig) -> None:
-    from resispec.models import ModelNotFoundError, ensure_world
+    from resispec.models import ModelNotFoundError, ensure_world, format_report
 
     world = to_typed(cfg).world
     try:
@@ -27,6 +27,7 @@ def main(cfg: DictConfig) -> None:
     except ModelNotFoundError as err:  # one line, no traceback
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    print(format_report(paths.report))
     print(f"target: {paths.target_dir}\ndraft:  {paths.draft_dir}\nreport: {paths.root / 'report.json'}")
 
 

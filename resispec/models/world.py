@@ -175,9 +175,7 @@ def load_world(world: WorldConfig) -> WorldPaths | None:
 def ensure_world(world: WorldConfig, progress: bool = True) -> WorldPaths:
     """Build the world once (tokenizer, target, draft, splits, report) or return the cached one."""
     found = load_world(world)
-    if found is not None:
-        if progress:
-            print(f"[world {world.name}] cached: {found.root}\n{format_report(found.report)}")
+    if found is not None:  # silent: every model load resolves world paths through here
         return found
     root = world_dir(world)
     with _lock(root.parent / f"{root.name}.lock"):
@@ -198,9 +196,7 @@ def ensure_world(world: WorldConfig, progress: bool = True) -> WorldPaths:
         (tmp / "report.json").write_text(json.dumps(report, indent=2))
         shutil.rmtree(root, ignore_errors=True)
         tmp.rename(root)
-    if progress:
-        print(format_report(report))
-    return _paths(root, report)
+    return _paths(root, report)  # the callers that show the report print format_report(paths.report)
 
 
 def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
