@@ -6,7 +6,6 @@ acceptance rates (two-sided tail ~7e-6 per check), all derived from the sample s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,26 +15,12 @@ from scipy.stats import chi2
 from resispec.verify import VERIFIERS
 from resispec.verify.auto import AutoPolicy, AutoProposal, ResiSpecAutoRule, confidence_feature
 from resispec.verify.distinct import choose_lambda, residual_after_reject, two_step_value
+from tests.unit.test_verify_reference import load_cases
 
-CASES = Path("/work/shared/testdata/verify_cases.json")
-ALT_CASES = Path(__file__).resolve().parents[2] / "shared" / "testdata" / "verify_cases.json"
 TAIL = 1e-5  # chi-square tail probability per test
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: one intra-op thread is much faster on a loaded 2-core machine (measured ~30x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _cases():
-    path = CASES if CASES.exists() else ALT_CASES
-    if not path.exists():
-        pytest.skip("shared/testdata/verify_cases.json not found")
-    return json.loads(path.read_text())["cases"]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _mixed_pair() -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +167,7 @@ def test_resispec_wor_transport_is_exact() -> None:
 
 def test_resispec_wor_closed_form_beats_rsd_at_n2() -> None:
     """On the shared cases with n = 2: rsd <= resispec_wor <= alpha*_wor (stored values), deterministically."""
-    rows = [c for c in _cases() if c["n"] == 2 and sum(x > 0 for x in c["q"]) >= 2]
+    rows = [c for c in load_cases() if c["n"] == 2 and sum(x > 0 for x in c["q"]) >= 2]
     assert rows
     gains = []
     for c in rows:

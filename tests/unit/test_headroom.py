@@ -22,13 +22,7 @@ from resispec.verify.headroom import (
     wor_prefix_bound,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _random_pairs(num: int, vocab: int, seed: int, scale: float = 1.5) -> tuple[torch.Tensor, torch.Tensor]:

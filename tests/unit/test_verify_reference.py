@@ -89,9 +89,11 @@ def test_resispec_T_matches_reference(cases):
         assert t.item() <= t_ref.item() + TOL
 
 
-def test_batched_equals_single(cases):
-    """All cases at once (padded with p = q = 0 tokens) give the same acceptance as one by one."""
+def grouped_by_n(cases: list[dict]) -> list[tuple[int, list[dict], torch.Tensor, torch.Tensor]]:
+    """Cases grouped by n, padded to a common V with p = q = 0 tokens (never drawn, never emitted):
+    [(n, group, p [C, V], q [C, V])] in float64."""
     vocab = max(len(c["p"]) for c in cases)
+    out = []
     for n in sorted({c["n"] for c in cases}):
         group = [c for c in cases if c["n"] == n]
         p = torch.zeros(len(group), vocab, dtype=torch.float64)
@@ -99,6 +101,13 @@ def test_batched_equals_single(cases):
         for row, c in enumerate(group):
             p[row, : len(c["p"])] = torch.tensor(c["p"], dtype=torch.float64)
             q[row, : len(c["q"])] = torch.tensor(c["q"], dtype=torch.float64)
+        out.append((n, group, p, q))
+    return out
+
+
+def test_batched_equals_single(cases):
+    """All cases at once (padded with p = q = 0 tokens) give the same acceptance as one by one."""
+    for n, group, p, q in grouped_by_n(cases):
         for rule, key in REFERENCE_KEYS.items():
             want = torch.tensor([c[key] for c in group], dtype=torch.float64)
             torch.testing.assert_close(VERIFIERS[rule].acceptance(p, q, n), want, rtol=0, atol=TOL)

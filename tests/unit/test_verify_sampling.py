@@ -22,7 +22,7 @@ import torch
 from scipy import stats
 
 from resispec.verify import VERIFIERS
-from tests.unit.test_verify_reference import load_cases
+from tests.unit.test_verify_reference import grouped_by_n, load_cases
 
 NUM_PER_CASE = 100_000  # node verifications per reference case, in the default run
 DELTA = 1e-6
@@ -58,19 +58,8 @@ def check_slots(tokens: torch.Tensor, token: torch.Tensor, slot: torch.Tensor) -
 
 @pytest.fixture(scope="module")
 def groups() -> list[tuple[int, list[dict], torch.Tensor, torch.Tensor]]:
-    """Cases grouped by n, padded to a common V with p = q = 0 tokens (never drawn, never emitted)."""
-    cases = load_cases()
-    vocab = max(len(c["p"]) for c in cases)
-    out = []
-    for n in sorted({c["n"] for c in cases}):
-        group = [c for c in cases if c["n"] == n]
-        p = torch.zeros(len(group), vocab, dtype=torch.float64)
-        q = torch.zeros_like(p)
-        for row, c in enumerate(group):
-            p[row, : len(c["p"])] = torch.tensor(c["p"], dtype=torch.float64)
-            q[row, : len(c["q"])] = torch.tensor(c["q"], dtype=torch.float64)
-        out.append((n, group, p, q))
-    return out
+    """Cases grouped by n, padded to a common V (see grouped_by_n)."""
+    return grouped_by_n(load_cases())
 
 
 @pytest.mark.parametrize("name", sorted(VERIFIERS))
