@@ -11,20 +11,23 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from resispec.decoding import process_logits
 
 
-def micro_llama(hidden: int, layers: int, vocab: int, seed: int, scale: float = 8.0) -> LlamaForCausalLM:
-    """A random Llama; embedding and lm_head are scaled (NOTES.md) so greedy outputs vary instead of repeating."""
+def micro_llama(
+    hidden: int, layers: int, vocab: int, seed: int, scale: float = 8.0, **config
+) -> LlamaForCausalLM:
+    """A random Llama; embedding and lm_head are scaled (NOTES.md) so greedy outputs vary instead of repeating.
+    `config` overrides LlamaConfig fields (heads, special token ids, ...)."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
+    fields = dict(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
         eos_token_id=None,
         bos_token_id=None,
         pad_token_id=None,
+    )
+    fields.update(config)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, **fields
     )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():

@@ -25,27 +25,21 @@ def make_tokenizer():
 
 
 def make_micro_llama(seed: int, hidden: int, layers: int, scale: float = 4.0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.unit.test_decoding_helpers import micro_llama
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
+    return micro_llama(
+        hidden,
+        layers,
+        VOCAB,
+        seed,
+        scale,
         num_attention_heads=2,
-        num_key_value_heads=2,
         max_position_embeddings=128,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=1,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(scale)
-        model.lm_head.weight.mul_(scale)
-    return model
 
 
 def save_pair(root: Path) -> tuple[Path, Path]:
