@@ -15,17 +15,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from resispec.decoding.kv_cache import (
     cache_length,
-    compact_cache,
-    crop_cache,
+    compact_to_path,
     forward_logits,
     new_cache,
     tree_attention_mask,
 )
+from resispec.decoding.lean import lean_spec_steps
 from resispec.decoding.sampling import process_logits, sample_tokens
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
@@ -79,6 +80,8 @@ class SpeculativeDecoder:
     they are checked to be the same tokenizer (TokenizerMismatchError otherwise).
     compile: torch.compile the two model forwards (CUDA only; the uncompiled path is the reference).
     timing: synchronise CUDA around phases so draft/target seconds are exact (costs a little on GPU).
+    lean: run the lean step (resispec/decoding/lean.py: less host work per step, same tokens at temperature 0, same
+        law otherwise); False runs the reference step `_spec_steps` below.
     greedy_topk: at temperature 0, draft the top-b tokens per node and verify by argmax matching (every exact
         rule reduces to that at temperature 0; see GreedyTopK). False runs the rule itself on one-hot p and q
         (the reference path; for i.i.d. rules the tree then collapses to a chain).
@@ -96,6 +99,7 @@ class SpeculativeDecoder:
         compile: bool = False,
         timing: bool = True,
         greedy_topk: bool = True,
+        lean: bool = True,
     ) -> None:
         check_tokenizers(tokenizer_target, tokenizer_draft)
         self.target, self.draft = target.eval(), draft.eval()
@@ -117,6 +121,7 @@ class SpeculativeDecoder:
                 )
         self.timing = timing
         self.greedy_topk = greedy_topk
+        self.lean = lean
         self._target_fwd: Callable = target
         self._draft_fwd: Callable = draft
         if compile and self.device.type == "cuda":
@@ -165,7 +170,10 @@ class SpeculativeDecoder:
                 raise ValueError("stop strings need SpeculativeDecoder(..., tokenizer=...) or a stop_checker")
             checkers.append(make_stop_string_checker(self.tokenizer, stop))
         settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        steps = self._spec_steps if speculative else self._ar_steps
+        if not speculative:
+            steps = self._ar_steps
+        else:  # the lean step (decoding/lean.py) by default; `_spec_steps` is the readable reference
+            steps = partial(lean_spec_steps, self) if self.lean else self._spec_steps
         stats = DecodeStats(
             accepted_per_position=[0] * len(self.shape), reached_per_position=[0] * len(self.shape)
         )
@@ -347,9 +355,11 @@ class SpeculativeDecoder:
             yield run  # the consumer closes this generator at a stop, so no cache work is wasted after it
 
             # ---- compact both caches to the accepted path
-            _compact(tcache, num_committed - 1, [0] + accepted)
+            compact_to_path(tcache, num_committed - 1, [0] + accepted)
             if depth_lim > 0:
-                _compact(dcache, num_committed, [n - 1 for n in accepted if tree.depths[n] <= fed_depth])
+                compact_to_path(
+                    dcache, num_committed, [n - 1 for n in accepted if tree.depths[n] <= fed_depth]
+                )
                 # an accepted node deeper than the draft has seen (at most the last one) is fed next step
                 pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed_depth] + [run[-1]]
             else:  # no draft this step (only the emit budget's last token): the draft still owes `pending`
@@ -387,11 +397,3 @@ class SpeculativeDecoder:
         bonus = leaf_p.argmax(dim=-1) if greedy else sample_tokens(leaf_p, generator)
         run.append(int(bonus.item()))
         return run, accepted
-
-
-def _compact(cache, start: int, keep: list[int]) -> None:
-    """Keep cache[:start] + cache[start + keep]; a plain crop when `keep` is already 0, 1, 2, ..."""
-    if keep == list(range(len(keep))):
-        crop_cache(cache, start + len(keep))
-    else:
-        compact_cache(cache, start, torch.tensor(keep, device=cache.layers[0].keys.device))

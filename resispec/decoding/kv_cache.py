@@ -62,6 +62,14 @@ def compact_cache(cache: DynamicCache, start: int, keep_ids: torch.Tensor) -> No
         layer.values = layer.values[..., : start + num_keep, :]
 
 
+def compact_to_path(cache: DynamicCache, start: int, keep: list[int]) -> None:
+    """Keep cache[:start] + cache[start + keep] (the accepted path); a plain crop when `keep` is 0, 1, 2, ..."""
+    if keep == list(range(len(keep))):
+        crop_cache(cache, start + len(keep))
+    else:
+        compact_cache(cache, start, torch.tensor(keep, device=cache.layers[0].keys.device))
+
+
 def tree_attention_mask(
     prefix_len: int,
     block_mask: torch.Tensor,  # [Q, T] bool: query i may attend to block token j (ancestors + itself)

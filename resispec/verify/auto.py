@@ -99,6 +99,21 @@ class AutoProposal(Proposal):
     iid_part: Proposal | None = None
     distinct_part: Proposal | None = None
 
+    def select(self, row: int) -> AutoProposal:
+        """Row `row` alone, with its branch's sub-proposal row (the branch rows keep their relative order)."""
+        mask = self.distinct_mask
+        is_distinct = bool(mask[row])
+        part = self.distinct_part if is_distinct else self.iid_part
+        sub = part.select(int((mask[:row] == is_distinct).sum()))
+        return AutoProposal(
+            tokens=self.tokens[row : row + 1],
+            q=self.q[row : row + 1],
+            noise=None if self.noise is None else self.noise[row : row + 1],
+            distinct_mask=mask[row : row + 1],
+            iid_part=None if is_distinct else sub,
+            distinct_part=sub if is_distinct else None,
+        )
+
 
 def _rules():
     from resispec.verify import VERIFIERS

@@ -44,6 +44,18 @@ class Proposal:
     def num_draws(self) -> int:
         return self.tokens.shape[-1]
 
+    def select(self, row: int) -> Proposal:
+        """The proposal of one node (row `row`) alone: every [B, ...] field cut to [1, ...]. Verifying it with that
+        node's p is the same as verifying the whole batch and reading that row (rows are independent)."""
+        cut = lambda x: None if x is None else x[row : row + 1]  # noqa: E731
+        return Proposal(
+            tokens=cut(self.tokens),
+            q=cut(self.q),
+            draw_probs=cut(self.draw_probs),
+            noise=cut(self.noise),
+            top_ids=cut(self.top_ids),
+        )
+
 
 @runtime_checkable
 class VerificationRule(Protocol):

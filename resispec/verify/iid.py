@@ -77,23 +77,33 @@ def greedy_masses(p: Tensor, q: Tensor, n: int) -> Tensor:
 
 
 def _resispec_g(profile: RatioProfile, total: Tensor, t: Tensor, n: int) -> Tensor:
-    """DESIGN.md's g(T) = T - sum_i mu_i for the late-filling plan, batched: t [B] -> [B]."""
-    mu, s = total.clone(), t.clone()
+    """DESIGN.md's g(T) = T - sum_i mu_i for the late-filling plan, batched: t [B] or [B, K] -> same shape."""
+    squeeze = t.dim() == 1
+    t = t[:, None] if squeeze else t  # [B, K]
+    mu, s = total[:, None].expand_as(t).clone(), t.clone()
+    num = t.shape[-1]
     for _ in range(n):
         s_next = s - mu
         lo = s_next.clamp_min(0)  # planned sum of the caps still to come
         hi = torch.minimum(t, lo + mu)
-        f = profile.capped_mass(torch.stack([hi, lo], -1))  # [B, 2]
-        mu = mu - torch.where(lo < t, f[:, 0] - f[:, 1], torch.zeros_like(mu))
+        f = profile.capped_mass(torch.cat([hi, lo], -1))  # [B, 2K]
+        mu = mu - torch.where(lo < t, f[:, :num] - f[:, num:], torch.zeros_like(mu))
         s = s_next
-    return s
+    return s[:, 0] if squeeze else s
+
+
+# points per round of the grid search for T*: a round narrows the bracket by 2^5 (five bisection steps) in one
+# vectorised pass, so the solve costs ~5x fewer passes (torch calls) than bisection for the same precision
+_GRID_POINTS = 31
 
 
 @torch.no_grad()
 def solve_resispec_T(
     p: Tensor, q: Tensor, n: int, profile: RatioProfile | None = None, steps: int | None = None
 ) -> Tensor:
-    """T* in [1, n] with g(T*) = 0, by bisection on the ratio profile (O(n log V) per step). p, q [B, V] -> [B].
+    """T* in [1, n] with g(T*) = 0 (the smallest root), by a grid search on the ratio profile: each round
+    evaluates g at 31 points of the bracket in one pass (O(n log V) per point) and keeps the cell where g changes
+    sign, i.e. five bisection steps at once. `steps` counts bisection-equivalent halvings. p, q [B, V] -> [B].
     Returns the upper end of the final bracket (g >= 0). float64 on CPU, else q's dtype."""
     check_pair(p, q)
     check_draws(n)
@@ -101,10 +111,14 @@ def solve_resispec_T(
     total = profile.total  # sum p (1 up to rounding)
     lo = torch.ones_like(total)
     hi = torch.full_like(total, float(n))
-    for _ in range((bisection_steps(p.dtype) if steps is None else steps) if n > 1 else 0):
-        mid = 0.5 * (lo + hi)
-        neg = _resispec_g(profile, total, mid, n) < 0
-        lo, hi = torch.where(neg, mid, lo), torch.where(neg, hi, mid)
+    num_steps = (bisection_steps(p.dtype) if steps is None else steps) if n > 1 else 0
+    frac = torch.arange(1, _GRID_POINTS + 1, dtype=total.dtype, device=total.device) / (_GRID_POINTS + 1)
+    for _ in range(-(-num_steps // 5)):  # ceil: each round = 5 halvings
+        grid = lo[:, None] + (hi - lo)[:, None] * frac  # [B, K] increasing
+        # g is nondecreasing in T: the first num_neg grid points have g < 0, the rest g >= 0
+        num_neg = (_resispec_g(profile, total, grid, n) < 0).sum(-1, keepdim=True)  # [B, 1]
+        padded = torch.cat([lo[:, None], grid, hi[:, None]], -1)  # [B, K + 2]
+        lo, hi = padded.gather(-1, num_neg)[:, 0], padded.gather(-1, num_neg + 1)[:, 0]
     return hi.to(p.dtype)
 
 

@@ -52,19 +52,20 @@ def greedy_refs(pair, prompts):
     return refs
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "reference"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("rule", [*sorted(VERIFIERS), "greedy_topk"])
-def test_greedy_identity(rule, shape, pair, prompts, greedy_refs):
+def test_greedy_identity(rule, shape, lean, pair, prompts, greedy_refs):
     """Each rule run on one-hot p and q (greedy_topk=False), and the default temperature-0 path (top-b drafting,
-    argmax matching), must reproduce target greedy decoding token for token."""
+    argmax matching), must reproduce target greedy decoding token for token, on the lean and the reference step."""
     target, close, far = pair
     accepted = 0
     for i, (ids, ref) in enumerate(zip(prompts, greedy_refs, strict=True)):
         draft = close if i % 2 == 0 else far
         if rule == "greedy_topk":
-            dec = SpeculativeDecoder(target, draft, rule="resispec", tree=shape)
+            dec = SpeculativeDecoder(target, draft, rule="resispec", tree=shape, lean=lean)
         else:
-            dec = SpeculativeDecoder(target, draft, rule=rule, tree=shape, greedy_topk=False)
+            dec = SpeculativeDecoder(target, draft, rule=rule, tree=shape, greedy_topk=False, lean=lean)
         out = dec.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0)
         assert torch.equal(out.sequences, ref), f"prompt {i}: speculative greedy differs from target greedy"
         accepted += out.stats.num_accepted_tokens
@@ -81,12 +82,13 @@ def test_identical_draft_accepts_everything(pair, prompts, greedy_refs):
     assert out.stats.num_drafts == NEW_TOKENS // 4 and out.stats.target_forwards == NEW_TOKENS // 4 + 1
 
 
-@pytest.mark.parametrize("rule", ["resispec", "rsd", "hub"])
-def test_cache_after_every_step_equals_reencoding(rule, pair, prompts):
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "reference"])
+@pytest.mark.parametrize("rule", ["resispec", "rsd", "hub", "resispec_auto"])
+def test_cache_after_every_step_equals_reencoding(rule, lean, pair, prompts):
     """At temperature 1 with a branching tree, accepted paths are often not the first children, so compaction
     really gathers. After each step the caches must equal encoding the committed text from scratch."""
     target, close, _ = pair
-    dec = SpeculativeDecoder(target, close, rule=rule, tree=[3, 2, 1])
+    dec = SpeculativeDecoder(target, close, rule=rule, tree=[3, 2, 1], lean=lean)
     checked = []
 
     def check(tcache, dcache, committed):

@@ -73,7 +73,7 @@ def sample_joint(dec: SpeculativeDecoder, num: int, seed: int) -> torch.Tensor:
     return counts.reshape(VOCAB, VOCAB, VOCAB)
 
 
-def check_rule(rule: str, num: int, world) -> None:
+def check_rule(rule: str, num: int, world, lean: bool = True) -> None:
     target, draft, joint, draft_joint = world
     big = (num * joint >= 5).flatten()
     crit = chi2.ppf(1 - DELTA, int(big.sum()))
@@ -81,7 +81,7 @@ def check_rule(rule: str, num: int, world) -> None:
     jt, jd = joint.flatten(), draft_joint.flatten()
     pooled = torch.cat([(jd - jt)[big], (jd - jt)[~big].sum()[None]]) ** 2
     assert float(num * (pooled / torch.cat([jt[big], jt[~big].sum()[None]])).sum()) > 5 * crit
-    dec = SpeculativeDecoder(target, draft, rule=rule, tree=TREE)
+    dec = SpeculativeDecoder(target, draft, rule=rule, tree=TREE, lean=lean)
     counts = sample_joint(dec, num, seed=sorted(VERIFIERS).index(rule))
     stat, df = pearson(counts, joint, num)
     assert stat < crit, (
@@ -89,12 +89,14 @@ def check_rule(rule: str, num: int, world) -> None:
     )
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "reference"])
 @pytest.mark.parametrize("rule", sorted(VERIFIERS))
-def test_joint_law_of_three_tokens(rule, world):
-    check_rule(rule, 300, world)
+def test_joint_law_of_three_tokens(rule, lean, world):
+    check_rule(rule, 300, world, lean)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "reference"])
 @pytest.mark.parametrize("rule", sorted(VERIFIERS))
-def test_joint_law_of_three_tokens_many_samples(rule, world):
-    check_rule(rule, 5000, world)
+def test_joint_law_of_three_tokens_many_samples(rule, lean, world):
+    check_rule(rule, 5000, world, lean)

@@ -1,0 +1,169 @@
+"""The lean speculative step: the reference step of `engine.py` minus the host work that is not a model forward.
+
+Same contract, same tree, same rules; what it does not do (measured on CPU, where every torch call costs a few
+microseconds whatever its size, so the number of calls is the cost):
+- verify whole tree levels: only the node the walk stands on is verified (a one-row proposal), so a rejection at
+  depth 1 costs one rule call, and the per-node work of the rule (resispec's ratio sort and T* solve) is done for
+  D nodes at most instead of every node of every level reached;
+- compute the target distribution of every node: p is built only for the nodes on the walk, lazily;
+- run the sampling transform or the rule at temperature 0: greedy drafting takes the top-b draft LOGITS (softmax
+  is monotone) and the accept walk is one argmax over all nodes plus a walk over Python dicts (one host sync);
+Exactness: each node on the path is verified with fresh randomness exactly as the sequential definition of the
+walk (DESIGN.md "Accept phase"); nodes off the path are never verified, which is what the reference's discarded
+rows amount to. Greedy output is token-identical to the reference step and to target greedy decoding (tested).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from resispec.decoding.kv_cache import (
+    cache_length,
+    compact_to_path,
+    forward_logits,
+    new_cache,
+    tree_attention_mask,
+)
+from resispec.decoding.sampling import sample_tokens
+from resispec.decoding.stats import DecodeStats
+from resispec.decoding.tree import DraftTree
+
+
+@torch.inference_mode()
+def lean_spec_steps(
+    dec, prompt: list[int], settings: dict, generator, stats: DecodeStats, max_new_tokens: int
+):
+    """Speculative steps of `dec` (a SpeculativeDecoder); yields each step's emitted run. See the module docstring."""
+    dev, rule, shape = dec.device, dec.rule, dec.shape
+    depth_max = len(shape)
+    greedy = settings["temperature"] <= 0.0 and dec.greedy_topk
+    vocab = dec.vocab_size
+    tcache = dec._prefill_target(prompt, stats)
+    dcache = new_cache(dec.draft)
+    t_dtype, d_dtype = dec.target.dtype, dec.draft.dtype
+    num_committed = len(prompt)
+    pending = list(prompt)
+    root = prompt[-1]
+    committed = list(prompt)
+    remaining = max_new_tokens
+    while True:
+        # ---- draft phase: one forward per depth
+        dec._sync()
+        t0 = time.perf_counter()
+        tree = DraftTree(root, dec.max_nodes)
+        proposals = []
+        fed_depth = 0
+        depth_lim = min(depth_max, remaining - 1)
+        if depth_lim > 0:
+            start = cache_length(dcache)
+            pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
+            ids = torch.tensor([pending], device=dev)
+            logits = forward_logits(dec._draft_fwd, ids, dcache, pos, logits_to_keep=1)[
+                0, :, :vocab
+            ]  # [1, V]
+            for depth in range(1, depth_lim + 1):
+                width = shape[depth - 1]
+                if greedy:  # top-b of the draft's logits = top-b of its softmax
+                    draws = torch.topk(logits, min(width, vocab), dim=-1).indices.tolist()
+                else:
+                    proposal = rule.propose(dec._probs(logits, settings), width, generator)
+                    proposals.append(proposal)
+                    draws = proposal.tokens.tolist()
+                level = tree.add_level(draws)
+                if len(level) == 0:
+                    if proposals:
+                        proposals.pop()
+                    break
+                if depth == depth_lim:
+                    break
+                block = tree.mask(level, range(1, level.stop))  # [n_d, nodes so far]
+                mask = tree_attention_mask(num_committed, block.to(dev), d_dtype)
+                ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
+                pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
+                logits = forward_logits(dec._draft_fwd, ids, dcache, pos, mask)[0, :, :vocab]  # [n_d, V]
+                fed_depth = depth
+        dec._sync()
+        t1 = time.perf_counter()
+        stats.draft_seconds += t1 - t0
+        stats.draft_forwards += 1 + fed_depth if depth_lim > 0 else 0
+        depth_eff = tree.depth
+
+        # ---- verify phase: ONE target forward over the root and every node
+        num_nodes = tree.num_nodes
+        all_nodes = range(0, num_nodes)
+        mask = tree_attention_mask(num_committed - 1, tree.mask(all_nodes, all_nodes).to(dev), t_dtype)
+        ids = torch.tensor([tree.tokens], device=dev)
+        pos = torch.tensor([tree.depths], device=dev) + (num_committed - 1)
+        logits = forward_logits(dec._target_fwd, ids, tcache, pos, mask)[0, :, :vocab]  # [N+1, V]
+        if greedy:
+            best = logits.argmax(dim=-1).tolist()  # the one host sync of a greedy step
+        dec._sync()
+        t2 = time.perf_counter()
+        stats.target_seconds += t2 - t1
+        stats.target_forwards += 1
+
+        # ---- accept phase
+        if greedy:
+            run, accepted = _walk_greedy(tree, best)
+        else:
+            run, accepted = _walk_sampled(dec, rule, tree, logits, proposals, settings, generator)
+        stats.accept_seconds += time.perf_counter() - t2
+
+        num_acc = len(accepted)
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_nodes - 1
+        stats.num_accepted_tokens += num_acc
+        for j in range(min(num_acc + 1, depth_eff)):
+            stats.reached_per_position[j] += 1
+            stats.accepted_per_position[j] += int(j < num_acc)
+        yield run
+
+        # ---- compact both caches to the accepted path
+        compact_to_path(tcache, num_committed - 1, [0] + accepted)
+        if depth_lim > 0:
+            compact_to_path(dcache, num_committed, [n - 1 for n in accepted if tree.depths[n] <= fed_depth])
+            pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed_depth] + [run[-1]]
+        else:
+            pending.append(run[-1])
+        remaining -= len(run)
+        num_committed += num_acc + 1
+        root = run[-1]
+        if dec.after_step is not None:
+            committed.extend(run)
+            dec.after_step(tcache, dcache, committed)
+
+
+def _walk_greedy(tree: DraftTree, best: list[int]) -> tuple[list[int], list[int]]:
+    """Temperature 0: from the root, emit argmax p; continue while it is a child. best[i] = argmax p at node i."""
+    node, run, accepted = 0, [], []
+    while True:
+        tok = best[node]
+        run.append(tok)
+        child = tree.children[node].get(tok)
+        if child is None:  # a correction (rejected) or, at a leaf, the bonus token
+            return run, accepted
+        accepted.append(child)
+        node = child
+
+
+def _walk_sampled(dec, rule, tree, logits, proposals, settings, generator):
+    """Verify only the nodes the walk reaches, each as a one-row proposal (module docstring)."""
+    node, run, accepted = 0, [], []
+    for depth in range(1, tree.depth + 1):
+        row = node - tree.level_starts[depth - 1]
+        p = dec._probs(logits[node : node + 1], settings)  # [1, V]
+        token, slot = rule.verify(p, proposals[depth - 1].select(row), generator)
+        tok, hit = torch.stack([token[0], slot[0]]).tolist()
+        run.append(tok)
+        if hit < 0:
+            return run, accepted
+        child = tree.children[node].get(tok)
+        if child is None:
+            raise RuntimeError(f"rule accepted token {tok} that is not a child of node {node}")
+        node = child
+        accepted.append(node)
+    leaf_p = dec._probs(logits[node : node + 1], settings)  # [1, V]
+    run.append(int(sample_tokens(leaf_p, generator).item()))
+    return run, accepted
