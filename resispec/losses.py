@@ -1,7 +1,8 @@
 """Distillation losses: the standard divergences and the residual (acceptance) losses built on resispec.verify.
 
 Every loss compares p (target) and q (draft) at the positions of the response tokens (`loss_mask`), after the
-SAME processing the decoder applies (see `process_logits`):
+SAME processing the decoder applies (`resispec.sampling`: the decoder uses its `probs` view, the losses
+its `log_probs` view):
 
 - temperature: both sides are divided by `decode.temperature`; temperature 0 (greedy serving) trains at 1,
   because a greedy target has no distribution to match and a temperature-1 match is what makes the argmaxes agree;
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from resispec.decoding.config import DecodeConfig
+from resispec.sampling import log_probs, nucleus_drop
 from resispec.training.config import LossConfig
 
 Tensor = torch.Tensor
@@ -51,32 +53,6 @@ class TargetSignal:
         return self.ids is not None
 
 
-def effective_temperature(temperature: float) -> float:
-    """The temperature losses and evaluation use: the decode temperature, or 1 for greedy (0)."""
-    return temperature if temperature > 0 else 1.0
-
-
-def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Top-k then top-p filtering (the decoder's order); filtered logits become -inf. logits: [N, V]."""
-    if top_k and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [N, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [N, V]
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass strictly before it already reaches top_p (the first token always stays)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Raw logits [N, V] -> float32 log-probs after temperature (0 -> 1) and optional top-k / top-p."""
-    logits = logits.float() / effective_temperature(temperature)
-    return filter_logits(logits, top_k, top_p).log_softmax(-1)
-
-
 def filter_sparse(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Top-k / top-p on a sparse target: log-probs [N, K+1], the last column the tail bucket; the K columns
     are sorted by decreasing probability, so the cut is exact unless the nucleus reaches into the tail, which is
@@ -86,8 +62,7 @@ def filter_sparse(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tenso
     if top_k and top_k < keep_len + 1:
         drop[..., top_k:] = True  # top_k <= K drops the tail as well
     if top_p < 1.0:
-        probs = logprobs.exp()
-        drop |= (probs.cumsum(-1) - probs) >= top_p
+        drop |= nucleus_drop(logprobs.exp(), top_p)  # the decoder's drop rule (columns already sorted)
     return logprobs.masked_fill(drop, float("-inf")).log_softmax(-1)
 
 
@@ -111,9 +86,9 @@ def paired_logprobs(
     """(log p, log q) on one support, [N, S] each (S = V dense, K+1 sparse). `truncate` applies the decode
     top-k / top-p to both sides (residual loss, evaluation); the temperature is always applied."""
     top_k, top_p = (decode.top_k, decode.top_p) if truncate else (0, 1.0)
-    log_q = process_logits(draft_logits, decode.temperature, top_k, top_p)  # [N, V]
+    log_q = log_probs(draft_logits, decode.temperature, top_k, top_p)  # [N, V]
     if not target.sparse:
-        return process_logits(target.values, decode.temperature, top_k, top_p), log_q  # [N, V] each
+        return log_probs(target.values, decode.temperature, top_k, top_p), log_q  # [N, V] each
     log_p = sparse_with_tail(target.values.float())  # [N, K+1]
     if truncate and (top_k or top_p < 1.0):
         log_p = filter_sparse(log_p, top_k, top_p)

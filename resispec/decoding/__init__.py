@@ -17,7 +17,6 @@ target's greedy output). `python -m resispec.decoding.profile --help`: AR vs spe
 """
 
 from resispec.decoding.engine import DecodeOutput, GreedyTopK, SpeculativeDecoder
-from resispec.decoding.sampling import process_logits
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.tokenizers import TokenizerMismatchError
 
@@ -27,5 +26,4 @@ __all__ = [
     "GreedyTopK",
     "SpeculativeDecoder",
     "TokenizerMismatchError",
-    "process_logits",
 ]

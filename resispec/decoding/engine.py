@@ -26,11 +26,11 @@ from resispec.decoding.kv_cache import (
     new_cache,
     tree_attention_mask,
 )
-from resispec.decoding.sampling import process_logits, sample_tokens
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
 from resispec.decoding.tokenizers import check_tokenizers, resolve_vocab_size
 from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
+from resispec.sampling import probs, sample_tokens
 from resispec.verify.base import Proposal
 
 
@@ -227,7 +227,7 @@ class SpeculativeDecoder:
 
     def _probs(self, logits: torch.Tensor, settings: dict) -> torch.Tensor:
         """[N, V'] logits -> [N, V] probabilities (vocab cut to the shared size, then THE sampling transform)."""
-        return process_logits(logits[..., : self.vocab_size], **settings)
+        return probs(logits[..., : self.vocab_size], **settings)
 
     def _prefill_target(self, prompt: list[int], stats: DecodeStats):
         """Target cache := prompt[:-1]; the last prompt token is the first root."""
@@ -257,7 +257,7 @@ class SpeculativeDecoder:
             if greedy:
                 tok = logits.argmax(dim=-1)
             else:
-                tok = sample_tokens(process_logits(logits, **settings), generator)
+                tok = sample_tokens(probs(logits, **settings), generator)
             root = int(tok.item())
             stats.target_seconds += time.perf_counter() - t0
             stats.target_forwards += 1

@@ -25,7 +25,8 @@ import torch
 from tqdm.auto import tqdm
 
 from resispec.decoding.config import DecodeConfig
-from resispec.losses import CLOSED_FORM_BRANCH, acceptance, fkl, process_logits
+from resispec.losses import CLOSED_FORM_BRANCH, acceptance, fkl
+from resispec.sampling import log_probs
 
 Tensor = torch.Tensor
 
@@ -104,8 +105,8 @@ def _pair_logprobs(
     q_logits = draft(input_ids=x).logits[0, sl]
     top_k, top_p = decode.top_k, decode.top_p
     return (
-        process_logits(p_logits, decode.temperature, top_k, top_p),
-        process_logits(q_logits, decode.temperature, top_k, top_p),
+        log_probs(p_logits, decode.temperature, top_k, top_p),
+        log_probs(q_logits, decode.temperature, top_k, top_p),
     )
 
 

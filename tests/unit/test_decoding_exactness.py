@@ -16,7 +16,8 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from resispec.decoding import SpeculativeDecoder, process_logits
+from resispec import sampling
+from resispec.decoding import SpeculativeDecoder
 from resispec.verify import VERIFIERS
 from tests.unit.test_decoding_helpers import micro_llama, noisy_copy, single_thread
 
@@ -46,7 +47,7 @@ def exact_joint(model) -> torch.Tensor:
     ids = torch.cat([PROMPT.expand(VOCAB * VOCAB, -1), tails], dim=1)  # [V^2, 3]
     with torch.no_grad():
         logits = model(ids).logits  # [V^2, 3, V]
-    probs = process_logits(logits.reshape(-1, VOCAB), **SETTINGS).reshape(VOCAB * VOCAB, 3, VOCAB).double()
+    probs = sampling.probs(logits.reshape(-1, VOCAB), **SETTINGS).reshape(VOCAB * VOCAB, 3, VOCAB).double()
     p1 = probs[0, 0]  # [V]
     p2 = probs[::VOCAB, 1]  # [V, V]  row x1 (any x2 in the input)
     p3 = probs[:, 2].reshape(VOCAB, VOCAB, VOCAB)  # [V, V, V]
