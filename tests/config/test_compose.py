@@ -22,7 +22,7 @@ def _compose(name, overrides=()):
 
 
 def test_every_entry_script_has_a_primary_config():
-    assert PRIMARY == ["bench", "distill", "generate", "pretrain", "serve"]
+    assert PRIMARY == ["bench", "distill", "generate", "headroom", "pretrain", "serve"]
 
 
 @pytest.mark.parametrize("primary", PRIMARY)
