@@ -18,7 +18,7 @@ target's greedy output). `python -m resispec.decoding.profile --help`: AR vs spe
 
 from resispec.decoding.engine import DecodeOutput, GreedyTopK, SpeculativeDecoder
 from resispec.decoding.stats import DecodeStats
-from resispec.decoding.tokenizers import TokenizerMismatchError
+from resispec.decoding.vocab import TokenizerMismatchError
 
 __all__ = [
     "DecodeOutput",

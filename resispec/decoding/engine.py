@@ -28,8 +28,8 @@ from resispec.decoding.kv_cache import (
 )
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
-from resispec.decoding.tokenizers import check_tokenizers, resolve_vocab_size
 from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
+from resispec.decoding.vocab import check_tokenizers, resolve_vocab_size
 from resispec.sampling import probs, sample_tokens
 from resispec.verify.base import Proposal
 
@@ -48,11 +48,11 @@ class GreedyTopK:
     scheme = "deterministic"
 
     def propose(self, q: torch.Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
-        return Proposal(tokens=torch.topk(q, min(n, q.shape[-1]), dim=-1).indices, q=q)  # [B, n]
+        return Proposal(token_ids=torch.topk(q, min(n, q.shape[-1]), dim=-1).indices, q=q)  # [B, n]
 
     def verify(self, p: torch.Tensor, proposal: Proposal, generator: torch.Generator | None = None):
         token = p.argmax(dim=-1)  # [B]
-        hit = proposal.tokens == token[:, None]  # [B, n]
+        hit = proposal.token_ids == token[:, None]  # [B, n]
         slot = torch.where(hit.any(-1), hit.int().argmax(-1), torch.full_like(token, -1))
         return token, slot
 
@@ -301,7 +301,7 @@ class SpeculativeDecoder:
                 q = self._probs(logits[0], q_settings)  # [1, V]
                 for depth in range(1, depth_lim + 1):
                     proposal = rule.propose(q, shape[depth - 1], generator)
-                    level = tree.add_level(proposal.tokens.tolist())  # one host sync per depth
+                    level = tree.add_level(proposal.token_ids.tolist())  # one host sync per depth
                     if len(level) == 0:
                         break
                     proposals.append(proposal)

@@ -2,7 +2,7 @@
 
     from resispec.verify import VERIFIERS, optimal_acceptance
     rule = VERIFIERS["resispec"]
-    proposal = rule.propose(q, n, generator)             # q [B, V] -> proposal.tokens [B, n] in draw order
+    proposal = rule.propose(q, n, generator)             # q [B, V] -> proposal.token_ids [B, n] in draw order
     token, slot = rule.verify(p, proposal, generator)    # [B], [B] (slot -1: no draw accepted)
     alpha = rule.acceptance(p, q, n)                     # [B], differentiable (training losses)
     optimal_acceptance(p, q, n, scheme="iid")            # [B] upper bound (scheme="wor": small V only)
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from resispec.verify.base import SCHEMES, Proposal, VerificationRule
 from resispec.verify.bounds import optimal_acceptance
+from resispec.verify.distinct import GumbelRule, HubRule, OneHotRule, RsdRule
 from resispec.verify.iid import (
     ChainRule,
     KseqRule,
@@ -24,7 +25,6 @@ from resispec.verify.iid import (
     solve_kseq_rho,
     solve_resispec_T,
 )
-from resispec.verify.topset import GumbelRule, HubRule, OneHotRule, RsdRule
 
 VERIFIERS: dict[str, VerificationRule] = {}
 

@@ -5,7 +5,7 @@ i.i.d. draws repeat the top token and distinct draws (`gumbel`, `rsd` or `resisp
 before drafting, so a choice that looks only at q (and n) keeps every node exact: each row is an exact rule.
 
     rule = VERIFIERS["resispec_auto"]                # default policy: distinct + gumbel where max q >= 0.3
-    proposal = rule.propose(q, n, generator)         # AutoProposal: tokens [B, n] + which branch each row took
+    proposal = rule.propose(q, n, generator)         # AutoProposal: token_ids [B, n] + which branch each row took
     token, slot = rule.verify(p, proposal, generator)
     alpha = rule.acceptance(p, q, n)                 # exact; raises if a row's branch has no closed form
     alpha = rule.surrogate_acceptance(p, q, n)       # never raises: a surrogate on those rows (below)
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from resispec.verify.base import Proposal, Tensor, check_draws, check_pair
-from resispec.verify.distinct import ResiSpecWORRule
+from resispec.verify.wor import ResiSpecWORRule
 
 FEATURES = ("max_q", "entropy")
 
@@ -124,7 +124,7 @@ class ResiSpecAutoRule:
         return rules[self.policy.iid_rule], rules[self.policy.distinct_rule_for(n)]
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> AutoProposal:
-        """q [B, V] -> AutoProposal(tokens [B, n]); each row drafted by the branch its q selects."""
+        """q [B, V] -> AutoProposal(token_ids [B, n]); each row drafted by the branch its q selects."""
         check_draws(n)
         iid, distinct = self._branches(n)
         mask = self.policy.distinct_rows(q, n)  # [B]
@@ -134,16 +134,16 @@ class ResiSpecAutoRule:
         d_part = distinct.propose(q[d_rows], n, generator) if len(d_rows) else None
         i_part = iid.propose(q[i_rows], n, generator) if len(i_rows) else None
         if d_part is not None:
-            tokens[d_rows] = d_part.tokens
+            tokens[d_rows] = d_part.token_ids
             if (
                 d_part.noise is not None
             ):  # for callers that read proposal.noise; rows of the other branch are 0
                 noise = torch.zeros_like(q)
                 noise[d_rows] = d_part.noise
         if i_part is not None:
-            tokens[i_rows] = i_part.tokens
+            tokens[i_rows] = i_part.token_ids
         return AutoProposal(
-            tokens=tokens, q=q, noise=noise, distinct_mask=mask, iid_part=i_part, distinct_part=d_part
+            token_ids=tokens, q=q, noise=noise, distinct_mask=mask, iid_part=i_part, distinct_part=d_part
         )
 
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):

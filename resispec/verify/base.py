@@ -2,7 +2,7 @@
 
 Conventions (every rule follows them, the decoder relies on them):
 - p, q: [B, V] probabilities after the SAME temperature / top-k / top-p processing; float32 or float64; any device.
-- proposal.tokens: [B, n] LongTensor in draw order. `-1` marks an EMPTY draw slot: a distinct scheme whose q has
+- proposal.token_ids: [B, n] LongTensor in draw order. `-1` marks an EMPTY draw slot: a distinct scheme whose q has
   fewer than n tokens of positive mass (its draws stop at the support), or `chain` (one draw) asked for n > 1.
   The decoder must skip -1 (no child node).
 - i.i.d. schemes may repeat a token; repeated draws are ONE child node.
@@ -27,14 +27,14 @@ SCHEMES = ("iid", "distinct", "deterministic")
 class Proposal:
     """The draws of a batch of nodes plus what their verification needs.
 
-    tokens: [B, n] draws in draw order (-1 = empty slot). q: [B, V] the draft distribution they came from.
+    token_ids: [B, n] draws in draw order (-1 = empty slot). q: [B, V] the draft distribution they came from.
     draw_probs: [B, n] (rsd) probability of each draw under the draw-time conditional q_i (q without the
         earlier draws, renormalised); 0 for empty slots.
     noise: [B, V] (gumbel, rsd) the Gumbel noise G of the draws; gumbel reuses it to emit argmax(log p + G).
     top_ids: [B, n - 1] (hub) the fixed top set of q (-1 = empty).
     """
 
-    tokens: Tensor  # [B, n] long
+    token_ids: Tensor  # [B, n] long
     q: Tensor  # [B, V]
     draw_probs: Tensor | None = None  # [B, n]
     noise: Tensor | None = None  # [B, V]
@@ -42,7 +42,7 @@ class Proposal:
 
     @property
     def num_draws(self) -> int:
-        return self.tokens.shape[-1]
+        return self.token_ids.shape[-1]
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ from scipy.stats import chi2
 
 from resispec.verify import VERIFIERS
 from resispec.verify.auto import AutoPolicy, AutoProposal, ResiSpecAutoRule, confidence_feature
-from resispec.verify.distinct import choose_lambda, residual_after_reject, two_step_value
+from resispec.verify.wor import choose_lambda, residual_after_reject, two_step_value
 from tests.unit.test_verify_reference import load_cases
 
 TAIL = 1e-5  # chi-square tail probability per test
@@ -69,17 +69,17 @@ def test_auto_mixed_batch_is_exact(distinct_rule: str, n: int) -> None:
     gen = torch.Generator().manual_seed(1234 + n)
     pp, qq = _repeat(p, k), _repeat(q, k)
     proposal = rule.propose(qq, n, gen)
-    assert isinstance(proposal, AutoProposal) and proposal.tokens.shape == (4 * k, n)
+    assert isinstance(proposal, AutoProposal) and proposal.token_ids.shape == (4 * k, n)
     mask = proposal.distinct_mask.view(4, k)
     assert mask[:, 0].tolist() == [False, True, False, True]  # both branches in one batch
     assert bool((mask == mask[:, :1]).all())  # the choice depends on q only
     # distinct rows never repeat a token; their empty slots are past q's support only
-    d_tok = proposal.tokens.view(4, k, n)[1]
+    d_tok = proposal.token_ids.view(4, k, n)[1]
     real = d_tok[d_tok >= 0].view(k, -1)
     assert bool((real.sort(-1).values.diff(dim=-1) != 0).all())
     token, slot = rule.verify(pp, proposal, gen)
     hit = slot >= 0
-    assert bool((proposal.tokens.gather(-1, slot.clamp_min(0)[:, None])[:, 0] == token)[hit].all())
+    assert bool((proposal.token_ids.gather(-1, slot.clamp_min(0)[:, None])[:, 0] == token)[hit].all())
     for b in range(4):
         _chi2_check(token.view(4, k)[b], p[b])
     # i.i.d. rows: the Monte Carlo acceptance agrees with the closed form

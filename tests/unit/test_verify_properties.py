@@ -17,7 +17,7 @@ from resispec.verify import (
     solve_resispec_T,
 )
 from resispec.verify.base import SCHEMES
-from resispec.verify.profile import RatioProfile, sort_by_ratio
+from resispec.verify.ratio import RatioProfile, sort_by_ratio
 
 NUM_EDGE = 10_000
 REDUCE_TO_CHAIN = [
@@ -75,7 +75,7 @@ def test_edge_cases_exact(name, case):
     q = torch.tensor([q_row], dtype=torch.float64).expand(NUM_EDGE, -1).contiguous()
     gen = torch.Generator().manual_seed(5)
     proposal = rule.propose(q, n, gen)
-    tokens = proposal.tokens
+    tokens = proposal.token_ids
     assert tokens.shape == (NUM_EDGE, n)
     drawn = tokens[tokens >= 0]
     if rule.scheme != "deterministic" and name != "hub":  # sampled draws come from q's support
@@ -105,9 +105,9 @@ def test_edge_case_values():
         assert VERIFIERS[name].acceptance(p, q, 3).item() == pytest.approx(0.2, abs=1e-12)
     gen = torch.Generator().manual_seed(0)
     props = VERIFIERS["rsd"].propose(q.expand(8, -1), 3, gen)  # distinct draws stop at q's support
-    assert (props.tokens[:, 0] == 2).all() and (props.tokens[:, 1:] == -1).all()
+    assert (props.token_ids[:, 0] == 2).all() and (props.token_ids[:, 1:] == -1).all()
     chain = VERIFIERS["chain"].propose(p.expand(8, -1), 4, gen)  # chain: one draw, other slots empty
-    assert (chain.tokens[:, 1:] == -1).all() and (chain.tokens[:, 0] >= 0).all()
+    assert (chain.token_ids[:, 1:] == -1).all() and (chain.token_ids[:, 0] >= 0).all()
 
 
 def test_invalid_inputs_raise():
@@ -194,7 +194,7 @@ def test_resispec_exact_for_any_T():
     for t in (1.0, 1.7, float(n)):
         plan = shaped_plan(p, q, n, torch.full((num,), t, dtype=p.dtype), profile)
         token, slot = verify_sequential(
-            p, Proposal(tokens=torch.multinomial(q, n, True, generator=gen), q=q), plan, gen
+            p, Proposal(token_ids=torch.multinomial(q, n, True, generator=gen), q=q), plan, gen
         )
         hist = torch.bincount(token, minlength=p.shape[1]).double() / num
         bound = 0.5 * torch.sqrt(p1 * (1 - p1) / num).sum() + math.sqrt(math.log(1e6) / (2 * num))

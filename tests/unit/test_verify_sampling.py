@@ -77,9 +77,9 @@ def check_sampling(groups, name: str, num_per_case: int) -> None:
         p = p64.float().repeat_interleave(num_per_case, 0)
         q = q64.float().repeat_interleave(num_per_case, 0)
         proposal = rule.propose(q, n, gen)
-        assert proposal.tokens.shape == (p.shape[0], n) and proposal.tokens.dtype == torch.long
+        assert proposal.token_ids.shape == (p.shape[0], n) and proposal.token_ids.dtype == torch.long
         token, slot = rule.verify(p, proposal, gen)
-        check_slots(proposal.tokens, token, slot)
+        check_slots(proposal.token_ids, token, slot)
         case_id = torch.arange(num_cases).repeat_interleave(num_per_case)
         hist = torch.bincount(case_id * vocab + token, minlength=num_cases * vocab).view(num_cases, vocab)
         tv = 0.5 * (hist.double() / num_per_case - p64).abs().sum(-1)
