@@ -15,7 +15,8 @@ one "tail" bucket holding the rest of the mass). In the sparse case q is mapped 
 and q are distributions on one support and every loss is computed there. Merging the tail tokens into one bucket
 makes the tail look like a perfect match, so the sparse losses are a (tight for small tails) approximation.
 
-The residual loss is 1 - alpha_rule(p, q, n) from `VERIFIERS[rule].acceptance`: no second copy of any formula.
+The residual loss is 1 - alpha_rule(p, q, n) from the rule's `surrogate_acceptance` (resispec.verify; the closed
+form itself for every rule that has one): no second copy of any formula.
 The rule's internal constants (T*, rho*) are solved under no_grad there, so only q carries the gradient.
 """
 
@@ -29,13 +30,28 @@ import torch
 
 from resispec.decoding.config import DecodeConfig
 from resispec.sampling import log_probs, nucleus_drop
-from resispec.training.config import LossConfig
+from resispec.verify import VERIFIERS, VerificationRule, build_rule, covers
 
 Tensor = torch.Tensor
 _TINY = 1e-12
 
-# rules whose acceptance has no closed form, and the closed-form rule the residual loss uses for them
-CLOSED_FORM_BRANCH = {"resispec_auto": "resispec"}
+
+@dataclass
+class LossConfig:
+    """`name`: fkl | rkl | jsd | tvd | residual. The residual loss is 1 - alpha_rule(p, q, n) with rule and n
+    from the decode config (`rule: null` = decode.rule); `form` picks the plain, -log or fkl-hybrid variant."""
+
+    name: str = "residual"
+    rule: str | None = None
+    # plain (1 - alpha) | log (-log alpha) | hybrid (1 - alpha + fkl_weight * fkl) | log_hybrid
+    form: str = "hybrid"
+    num_draws: int | None = None  # n for alpha_rule(p, q, n); null = decode.tree[0] (the root's branching)
+    draws: str = "root"  # root: alpha at n = num_draws | tree: mean of alpha(n_d) over the tree's depths d
+    fkl_weight: float = 0.1
+    jsd_beta: float = 0.5
+    # position t of a response weighs depth_decay ** (t mod len(tree)); with draws=tree, depth d of the tree weighs
+    # depth_decay ** d instead (positions then all weigh 1); 1 = off
+    depth_decay: float = 1.0
 
 
 @dataclass
@@ -126,10 +142,10 @@ def tvd(log_p: Tensor, log_q: Tensor) -> Tensor:
 
 
 def residual_rule(loss: LossConfig, decode: DecodeConfig) -> str:
-    """The rule whose acceptance the residual loss maximises (loss.rule, else decode.rule); rules without a
-    closed form use their closed-form branch (resispec_auto -> resispec: its i.i.d. branch is the one shaped)."""
-    rule = loss.rule or decode.rule
-    return CLOSED_FORM_BRANCH.get(rule, rule)
+    """The rule whose acceptance the residual loss maximises: loss.rule, else decode.rule. Its
+    `surrogate_acceptance` is the value (the closed form; resispec_auto: its i.i.d. branch's closed form on rows
+    whose distinct branch has none)."""
+    return loss.rule or decode.rule
 
 
 def residual_num_draws(loss: LossConfig, decode: DecodeConfig) -> int:
@@ -154,20 +170,21 @@ def residual_draws(loss: LossConfig, decode: DecodeConfig) -> list[tuple[int, fl
     return [(n, w / total) for n, w in sorted(weights.items())]
 
 
-def acceptance(rule: str, p: Tensor, q: Tensor, n: int) -> Tensor:
-    """alpha_rule(p, q, n) [N] from resispec.verify (the one implementation); p, q: [N, S] probabilities."""
-    from resispec.verify import VERIFIERS
-
-    if rule not in VERIFIERS:
-        raise ValueError(f"unknown rule {rule!r}; choose one of {sorted(VERIFIERS)}")
-    return VERIFIERS[rule].acceptance(p, q, n)
+def acceptance(rule: str | VerificationRule, p: Tensor, q: Tensor, n: int) -> Tensor:
+    """alpha_rule(p, q, n) [N] as training sees it: the rule's `surrogate_acceptance` from resispec.verify (the one
+    implementation); p, q: [N, S] probabilities. `rule`: a name in VERIFIERS or a rule object (build_rule)."""
+    if isinstance(rule, str):
+        if rule not in VERIFIERS:
+            raise ValueError(f"unknown rule {rule!r}; choose one of {sorted(VERIFIERS)}")
+        rule = VERIFIERS[rule]
+    return rule.surrogate_acceptance(p, q, n)
 
 
 def residual(
     log_p: Tensor,
     log_q: Tensor,
     *,
-    rule: str,
+    rule: str | VerificationRule,
     n: int | list[tuple[int, float]],
     form: str,
     fkl_weight: float,
@@ -205,7 +222,7 @@ LOSSES: dict[str, PositionLoss] = {
     "tvd": lambda full, served, c, d: tvd(*full),
     "residual": lambda full, served, c, d: residual(
         *full,
-        rule=residual_rule(c, d),
+        rule=build_rule(residual_rule(c, d), d.auto_policy),
         n=residual_draws(c, d),
         form=c.form,
         fkl_weight=c.fkl_weight,
@@ -230,16 +247,15 @@ def check_loss_config(loss: LossConfig, decode: DecodeConfig) -> None:
     if loss.name not in LOSSES:
         raise ValueError(f"unknown loss {loss.name!r}; choose one of {sorted(LOSSES)}")
     if loss.name == "residual":
-        rule = residual_rule(loss, decode)
-        p = torch.tensor([[0.5, 0.5]])
-        try:
-            for n, _ in residual_draws(loss, decode):
-                acceptance(rule, p, p, n)
-        except NotImplementedError as e:
+        name = residual_rule(loss, decode)
+        if name not in VERIFIERS:
+            raise ValueError(f"unknown rule {name!r}; choose one of {sorted(VERIFIERS)}")
+        rule = build_rule(name, decode.auto_policy)
+        if not all(covers(rule.surrogate_draws, n) for n, _ in residual_draws(loss, decode)):
             raise ValueError(
-                f"rule {rule!r} has no closed-form acceptance, so the residual loss cannot target it; "
+                f"rule {name!r} has no closed-form acceptance, so the residual loss cannot target it; "
                 "set loss.rule to a rule with one (e.g. resispec, rrs, kseq, hub, onehot)"
-            ) from e
+            )
 
 
 # ----------------------------------------------------------------------------- masking and weights

@@ -245,7 +245,8 @@ def run(
     target.eval()
     draft.eval()
     splits = stdlib_splits(world)
-    rules = [r for r in (cfg.rules or sorted(VERIFIERS)) if r != AUTO]
+    rules = cfg.rules or [r for r in sorted(VERIFIERS) if r != AUTO and not VERIFIERS[r].greedy_only]
+    rules = [r for r in rules if r != AUTO]
     temperatures, draws = list(cfg.temperatures), list(cfg.draws)
     logged = {}
     for split, num in (

@@ -31,7 +31,8 @@ from resispec.decoding.stopping import StopChecker, make_stop_string_checker, no
 from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
 from resispec.decoding.vocab import check_tokenizers, resolve_vocab_size
 from resispec.sampling import probs, sample_tokens
-from resispec.verify.base import Proposal
+from resispec.verify.greedy import GreedyRule
+from resispec.verify.registry import VERIFIERS
 
 
 @dataclass
@@ -40,32 +41,13 @@ class DecodeOutput:
     stats: DecodeStats
 
 
-class GreedyTopK:
-    """Temperature-0 drafting and verification: children = top-n of q, emitted token = argmax p, accepted iff it is
-    a child. Any exact rule emits argmax p with probability 1 when p is one-hot, so this is the rule at T = 0."""
-
-    name = "greedy_topk"
-    scheme = "deterministic"
-
-    def propose(self, q: torch.Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
-        return Proposal(token_ids=torch.topk(q, min(n, q.shape[-1]), dim=-1).indices, q=q)  # [B, n]
-
-    def verify(self, p: torch.Tensor, proposal: Proposal, generator: torch.Generator | None = None):
-        token = p.argmax(dim=-1)  # [B]
-        hit = proposal.token_ids == token[:, None]  # [B, n]
-        slot = torch.where(hit.any(-1), hit.int().argmax(-1), torch.full_like(token, -1))
-        return token, slot
-
-
-GREEDY_TOPK = GreedyTopK()
+GREEDY_TOPK = GreedyRule()  # the temperature-0 rule (resispec/verify/greedy.py)
 
 
 def _resolve_rule(rule):
     """A rule name (key of resispec.verify.VERIFIERS) or any object with scheme/propose/verify."""
     if not isinstance(rule, str):
         return rule
-    from resispec.verify import VERIFIERS
-
     if rule not in VERIFIERS:
         raise KeyError(f"unknown verification rule {rule!r}; known: {sorted(VERIFIERS)}")
     return VERIFIERS[rule]
@@ -80,7 +62,7 @@ class SpeculativeDecoder:
     compile: torch.compile the two model forwards (CUDA only; the uncompiled path is the reference).
     timing: synchronise CUDA around phases so draft/target seconds are exact (costs a little on GPU).
     greedy_topk: at temperature 0, draft the top-b tokens per node and verify by argmax matching (every exact
-        rule reduces to that at temperature 0; see GreedyTopK). False runs the rule itself on one-hot p and q
+        rule reduces to that at temperature 0; see resispec/verify/greedy.py). False runs the rule itself on one-hot p and q
         (the reference path; for i.i.d. rules the tree then collapses to a chain).
     """
 

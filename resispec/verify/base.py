@@ -47,10 +47,21 @@ class Proposal:
 
 @runtime_checkable
 class VerificationRule(Protocol):
-    """What the decoder, the losses and the benchmarks use. `scheme`: "iid" | "distinct" | "deterministic"."""
+    """What the decoder, the losses and the benchmarks use. `scheme`: "iid" | "distinct" | "deterministic".
+
+    Declared capabilities (callers read them instead of catching NotImplementedError):
+    closed_form_draws: the largest n for which `acceptance` is a closed form (None = every n; 0 = none: estimate
+        by sampling, resispec.verify.estimate);
+    surrogate_draws: the same for `surrogate_acceptance`, the value training losses and checkpoint selection use
+        (the closed form itself, or for a rule that drafts per node a closed-form stand-in: verify/auto.py);
+    greedy_only: exact only for one-hot p (temperature 0), like `greedy`; such rules are skipped where p is not.
+    """
 
     name: str
     scheme: str
+    closed_form_draws: int | None
+    surrogate_draws: int | None
+    greedy_only: bool
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal: ...
 
@@ -59,6 +70,13 @@ class VerificationRule(Protocol):
     ) -> tuple[Tensor, Tensor]: ...
 
     def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor: ...
+
+    def surrogate_acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor: ...
+
+
+def covers(draws: int | None, n: int) -> bool:
+    """Whether a declared capability (`closed_form_draws`, `surrogate_draws`) holds at n draws."""
+    return draws is None or n <= draws
 
 
 # ---------------------------------------------------------------------------------------------- checks

@@ -103,9 +103,8 @@ def wor_prefix_bound(p: Tensor, q: Tensor, n: int, grid_size: int = 400) -> Tens
         inside = (q_h * a - b).clamp(0, 1)
     else:
         u = torch.logspace(-3, 7, grid_size, dtype=torch.float64)  # [G]
-        state = torch.zeros(
-            p.shape[0], grid_size, n + 1, dtype=torch.float64
-        )  # P(count = j), j = n means >= n
+        # P(count = j), j = n means >= n
+        state = torch.zeros(p.shape[0], grid_size, n + 1, dtype=torch.float64)
         state[..., 0] = 1.0
         q_out = (1 - torch.cumsum(q_s, -1)).clamp_min(0)  # [N, V] q(H^c)
         inside = torch.ones_like(p_s)  # [N, V]; H = support (q(H^c) = 0): always inside

@@ -51,6 +51,9 @@ class OneHotRule:
 
     name = "onehot"
     scheme = "deterministic"
+    closed_form_draws: int | None = None
+    surrogate_draws: int | None = None
+    greedy_only = False
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
         return Proposal(token_ids=top_set(q, check_draws(n)), q=q)
@@ -65,6 +68,9 @@ class OneHotRule:
         check_pair(p, q)
         return gather_at(p, top_set(q.detach(), check_draws(n))).sum(-1)
 
+    def surrogate_acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        return self.acceptance(p, q, n)
+
 
 class RsdRule:
     """Recursive speculative decoding: draws without replacement, draw i checked against q_i (q without the
@@ -73,6 +79,9 @@ class RsdRule:
 
     name = "rsd"
     scheme = "distinct"
+    closed_form_draws: int | None = 0
+    surrogate_draws: int | None = 0
+    greedy_only = False
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
         tokens, noise = gumbel_top(q, check_draws(n), generator)
@@ -111,6 +120,9 @@ class RsdRule:
     def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
         raise NotImplementedError("rsd has no closed-form acceptance; estimate it by sampling verify()")
 
+    def surrogate_acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        return self.acceptance(p, q, n)
+
 
 def hub_split(q: Tensor, top_ids: Tensor) -> tuple[Tensor, Tensor]:
     """Top-set mask [B, V] and q~ = q off the top set, renormalised [B, V] (all 0 when q lives on the top set)."""
@@ -127,6 +139,9 @@ class HubRule:
 
     name = "hub"
     scheme = "distinct"
+    closed_form_draws: int | None = None
+    surrogate_draws: int | None = None
+    greedy_only = False
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
         check_draws(n)
@@ -157,6 +172,9 @@ class HubRule:
         top_mask, q_tilde = hub_split(q, top)
         return torch.where(top_mask, p, torch.minimum(p, q_tilde)).sum(-1)
 
+    def surrogate_acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        return self.acceptance(p, q, n)
+
 
 class GumbelRule:
     """Gumbel-top-n children with noise G; emit Y = argmax(log p + G) with the SAME G (exactly p, by the
@@ -164,6 +182,9 @@ class GumbelRule:
 
     name = "gumbel"
     scheme = "distinct"
+    closed_form_draws: int | None = 0
+    surrogate_draws: int | None = 0
+    greedy_only = False
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
         tokens, noise = gumbel_top(q, check_draws(n), generator)
@@ -179,3 +200,6 @@ class GumbelRule:
 
     def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
         raise NotImplementedError("gumbel has no closed-form acceptance; estimate it by sampling verify()")
+
+    def surrogate_acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        return self.acceptance(p, q, n)

@@ -259,6 +259,9 @@ def verify_sequential(
 class _IidRule:
     scheme = "iid"
     name = ""
+    closed_form_draws: int | None = None
+    surrogate_draws: int | None = None
+    greedy_only = False
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
         """n i.i.d. draws from q [B, V] -> Proposal(token_ids [B, n])."""
@@ -267,6 +270,13 @@ class _IidRule:
 
     def __repr__(self) -> str:
         return f"<verification rule {self.name!r} ({self.scheme})>"
+
+    def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        raise NotImplementedError
+
+    def surrogate_acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        """The closed form itself."""
+        return self.acceptance(p, q, n)
 
 
 class ChainRule(_IidRule):

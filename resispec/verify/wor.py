@@ -119,6 +119,9 @@ class ResiSpecWORRule:
 
     name = "resispec_wor"
     scheme = "distinct"
+    closed_form_draws: int | None = 2
+    surrogate_draws: int | None = 2
+    greedy_only = False
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
         tokens, noise = gumbel_top(q, check_draws(n), generator)  # [B, n] (-1 past q's support)
@@ -195,3 +198,7 @@ class ResiSpecWORRule:
         alpha = two_step_value(pd, qd, lam)
         single = (q > 0).sum(-1) < 2  # one real draw (q's support is one token): the greedy step alone
         return torch.where(single, torch.minimum(pd, qd).sum(-1), alpha).to(p.dtype)
+
+    def surrogate_acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        """The closed form itself (n <= 2)."""
+        return self.acceptance(p, q, n)

@@ -26,6 +26,8 @@ SETTINGS = dict(temperature=0.8, top_k=12, top_p=1.0)
 TREE = [2, 2, 1]
 DELTA = 1e-4
 PROMPT = torch.tensor([[3]])  # one token: no target prefill, so a sample costs one or two steps
+# the rules exact at temperature > 0 (greedy is the temperature-0 rule: tests/unit/test_decoding.py covers it)
+SAMPLING_RULES = sorted(name for name, rule in VERIFIERS.items() if not rule.greedy_only)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,19 +85,19 @@ def check_rule(rule: str, num: int, world) -> None:
     pooled = torch.cat([(jd - jt)[big], (jd - jt)[~big].sum()[None]]) ** 2
     assert float(num * (pooled / torch.cat([jt[big], jt[~big].sum()[None]])).sum()) > 5 * crit
     dec = SpeculativeDecoder(target, draft, rule=rule, tree=TREE)
-    counts = sample_joint(dec, num, seed=sorted(VERIFIERS).index(rule))
+    counts = sample_joint(dec, num, seed=SAMPLING_RULES.index(rule))
     stat, df = pearson(counts, joint, num)
     assert stat < crit, (
         f"{rule}: X^2 = {stat:.1f} >= {crit:.1f} (df {df}): output law differs from the target's"
     )
 
 
-@pytest.mark.parametrize("rule", sorted(VERIFIERS))
+@pytest.mark.parametrize("rule", SAMPLING_RULES)
 def test_joint_law_of_three_tokens(rule, world):
     check_rule(rule, 300, world)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rule", sorted(VERIFIERS))
+@pytest.mark.parametrize("rule", SAMPLING_RULES)
 def test_joint_law_of_three_tokens_many_samples(rule, world):
     check_rule(rule, 5000, world)

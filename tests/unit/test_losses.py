@@ -103,7 +103,7 @@ def test_residual_rule_and_draws_come_from_decode():
     assert residual_rule(LossConfig(), decode) == "rrs" and residual_num_draws(LossConfig(), decode) == 3
     assert residual_rule(LossConfig(rule="kseq", num_draws=2), decode) == "kseq"
     assert residual_num_draws(LossConfig(num_draws=2), decode) == 2
-    assert residual_rule(LossConfig(), DecodeConfig(rule="resispec_auto")) == "resispec"
+    assert residual_rule(LossConfig(), DecodeConfig(rule="resispec_auto")) == "resispec_auto"
 
 
 def test_tree_draws_average_alpha_over_the_depths():

@@ -16,7 +16,7 @@ from resispec.verify import (
     solve_kseq_rho,
     solve_resispec_T,
 )
-from resispec.verify.base import SCHEMES
+from resispec.verify.base import SCHEMES, covers
 from resispec.verify.ratio import RatioProfile, sort_by_ratio
 
 NUM_EDGE = 10_000
@@ -44,11 +44,14 @@ def random_pairs(num: int, vocab: int, seed: int, dtype=torch.float64) -> tuple[
 
 
 def closed_form(name: str, p: torch.Tensor, q: torch.Tensor, n: int) -> torch.Tensor | None:
-    """The rule's closed-form acceptance at this n, or None where it has none (NotImplementedError)."""
-    try:
-        return VERIFIERS[name].acceptance(p, q, n)
-    except NotImplementedError:
-        return None
+    """The rule's closed-form acceptance at this n, or None where it declares none (closed_form_draws)."""
+    rule = VERIFIERS[name]
+    return rule.acceptance(p, q, n) if covers(rule.closed_form_draws, n) else None
+
+
+def one_hot_argmax(p: torch.Tensor) -> torch.Tensor:
+    """The temperature-0 target: one-hot at the first argmax of each row (what greedy_only rules are exact for)."""
+    return torch.zeros_like(p).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)
 
 
 def _edge_pairs() -> dict[str, tuple[list[float], list[float], int]]:
@@ -72,6 +75,8 @@ def test_edge_cases_exact(name, case):
     p_row, q_row, n = _edge_pairs()[case]
     rule = VERIFIERS[name]
     p = torch.tensor([p_row], dtype=torch.float64).expand(NUM_EDGE, -1).contiguous()
+    if rule.greedy_only:  # `greedy` is exact for temperature-0 (one-hot) targets only
+        p = one_hot_argmax(p)
     q = torch.tensor([q_row], dtype=torch.float64).expand(NUM_EDGE, -1).contiguous()
     gen = torch.Generator().manual_seed(5)
     proposal = rule.propose(q, n, gen)
