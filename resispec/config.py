@@ -15,9 +15,10 @@ from hydra.core.config_store import ConfigStore
 from resispec.analysis.config import HeadroomConfig
 from resispec.data.config import DataConfig
 from resispec.decoding.config import DecodeConfig
+from resispec.losses import LossConfig
 from resispec.models.config import ModelConfig, WorldConfig
 from resispec.serving.config import BenchConfig, ServerConfig
-from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig
+from resispec.training.config import LoggerConfig, OptimConfig, TrainConfig
 
 
 @dataclass

@@ -15,11 +15,13 @@ from omegaconf import DictConfig
 
 from resispec.analysis.headroom import run
 from resispec.config import register_configs, to_typed
+from resispec.errors import exit_on_user_error
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="headroom")
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
     c = to_typed(cfg)
     hc = HydraConfig.get()
