@@ -1,4 +1,4 @@
-"""The one Hydra schema shared by every entry script (pretrain, generate, distill, serve, bench).
+"""The one Hydra schema shared by every entry script (pretrain, generate, distill, serve, bench, headroom).
 
 Every primary config's defaults list is `resispec_schema`, then the groups, then `_self_`, so a misspelled
 key fails when the config is composed. Recipes (conf/recipe/*.yaml, `# @package _global_`) can therefore
@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from resispec.analysis.config import HeadroomConfig
 from resispec.data.config import DataConfig
 from resispec.decoding.config import DecodeConfig
+from resispec.losses import LossConfig
 from resispec.models.config import ModelConfig, WorldConfig
 from resispec.serving.config import BenchConfig, ServerConfig
-from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig
+from resispec.training.config import LoggerConfig, OptimConfig, TrainConfig
 
 
 @dataclass
@@ -33,6 +35,7 @@ class ResiSpecConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    headroom: HeadroomConfig = field(default_factory=HeadroomConfig)
 
 
 def register_configs() -> None:

@@ -1,7 +1,8 @@
 """Distillation losses: the standard divergences and the residual (acceptance) losses built on resispec.verify.
 
 Every loss compares p (target) and q (draft) at the positions of the response tokens (`loss_mask`), after the
-SAME processing the decoder applies (see `process_logits`):
+SAME processing the decoder applies (`resispec.sampling`: the decoder uses its `probs` view, the losses
+its `log_probs` view):
 
 - temperature: both sides are divided by `decode.temperature`; temperature 0 (greedy serving) trains at 1,
   because a greedy target has no distribution to match and a temperature-1 match is what makes the argmaxes agree;
@@ -14,7 +15,8 @@ one "tail" bucket holding the rest of the mass). In the sparse case q is mapped 
 and q are distributions on one support and every loss is computed there. Merging the tail tokens into one bucket
 makes the tail look like a perfect match, so the sparse losses are a (tight for small tails) approximation.
 
-The residual loss is 1 - alpha_rule(p, q, n) from `VERIFIERS[rule].acceptance`: no second copy of any formula.
+The residual loss is 1 - alpha_rule(p, q, n) from the rule's `surrogate_acceptance` (resispec.verify; the closed
+form itself for every rule that has one): no second copy of any formula.
 The rule's internal constants (T*, rho*) are solved under no_grad there, so only q carries the gradient.
 """
 
@@ -27,13 +29,29 @@ from dataclasses import dataclass
 import torch
 
 from resispec.decoding.config import DecodeConfig
-from resispec.training.config import LossConfig
+from resispec.sampling import log_probs, nucleus_drop
+from resispec.verify import VERIFIERS, VerificationRule, build_rule, covers
 
 Tensor = torch.Tensor
 _TINY = 1e-12
 
-# rules whose acceptance has no closed form, and the closed-form rule the residual loss uses for them
-CLOSED_FORM_BRANCH = {"resispec_auto": "resispec"}
+
+@dataclass
+class LossConfig:
+    """`name`: fkl | rkl | jsd | tvd | residual. The residual loss is 1 - alpha_rule(p, q, n) with rule and n
+    from the decode config (`rule: null` = decode.rule); `form` picks the plain, -log or fkl-hybrid variant."""
+
+    name: str = "residual"
+    rule: str | None = None
+    # plain (1 - alpha) | log (-log alpha) | hybrid (1 - alpha + fkl_weight * fkl) | log_hybrid
+    form: str = "hybrid"
+    num_draws: int | None = None  # n for alpha_rule(p, q, n); null = decode.tree[0] (the root's branching)
+    draws: str = "root"  # root: alpha at n = num_draws | tree: mean of alpha(n_d) over the tree's depths d
+    fkl_weight: float = 0.1
+    jsd_beta: float = 0.5
+    # position t of a response weighs depth_decay ** (t mod len(tree)); with draws=tree, depth d of the tree weighs
+    # depth_decay ** d instead (positions then all weigh 1); 1 = off
+    depth_decay: float = 1.0
 
 
 @dataclass
@@ -51,32 +69,6 @@ class TargetSignal:
         return self.ids is not None
 
 
-def effective_temperature(temperature: float) -> float:
-    """The temperature losses and evaluation use: the decode temperature, or 1 for greedy (0)."""
-    return temperature if temperature > 0 else 1.0
-
-
-def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Top-k then top-p filtering (the decoder's order); filtered logits become -inf. logits: [N, V]."""
-    if top_k and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [N, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [N, V]
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass strictly before it already reaches top_p (the first token always stays)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Raw logits [N, V] -> float32 log-probs after temperature (0 -> 1) and optional top-k / top-p."""
-    logits = logits.float() / effective_temperature(temperature)
-    return filter_logits(logits, top_k, top_p).log_softmax(-1)
-
-
 def filter_sparse(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Top-k / top-p on a sparse target: log-probs [N, K+1], the last column the tail bucket; the K columns
     are sorted by decreasing probability, so the cut is exact unless the nucleus reaches into the tail, which is
@@ -86,8 +78,7 @@ def filter_sparse(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tenso
     if top_k and top_k < keep_len + 1:
         drop[..., top_k:] = True  # top_k <= K drops the tail as well
     if top_p < 1.0:
-        probs = logprobs.exp()
-        drop |= (probs.cumsum(-1) - probs) >= top_p
+        drop |= nucleus_drop(logprobs.exp(), top_p)  # the decoder's drop rule (columns already sorted)
     return logprobs.masked_fill(drop, float("-inf")).log_softmax(-1)
 
 
@@ -111,9 +102,9 @@ def paired_logprobs(
     """(log p, log q) on one support, [N, S] each (S = V dense, K+1 sparse). `truncate` applies the decode
     top-k / top-p to both sides (residual loss, evaluation); the temperature is always applied."""
     top_k, top_p = (decode.top_k, decode.top_p) if truncate else (0, 1.0)
-    log_q = process_logits(draft_logits, decode.temperature, top_k, top_p)  # [N, V]
+    log_q = log_probs(draft_logits, decode.temperature, top_k, top_p)  # [N, V]
     if not target.sparse:
-        return process_logits(target.values, decode.temperature, top_k, top_p), log_q  # [N, V] each
+        return log_probs(target.values, decode.temperature, top_k, top_p), log_q  # [N, V] each
     log_p = sparse_with_tail(target.values.float())  # [N, K+1]
     if truncate and (top_k or top_p < 1.0):
         log_p = filter_sparse(log_p, top_k, top_p)
@@ -151,10 +142,10 @@ def tvd(log_p: Tensor, log_q: Tensor) -> Tensor:
 
 
 def residual_rule(loss: LossConfig, decode: DecodeConfig) -> str:
-    """The rule whose acceptance the residual loss maximises (loss.rule, else decode.rule); rules without a
-    closed form use their closed-form branch (resispec_auto -> resispec: its i.i.d. branch is the one shaped)."""
-    rule = loss.rule or decode.rule
-    return CLOSED_FORM_BRANCH.get(rule, rule)
+    """The rule whose acceptance the residual loss maximises: loss.rule, else decode.rule. Its
+    `surrogate_acceptance` is the value (the closed form; resispec_auto: its i.i.d. branch's closed form on rows
+    whose distinct branch has none)."""
+    return loss.rule or decode.rule
 
 
 def residual_num_draws(loss: LossConfig, decode: DecodeConfig) -> int:
@@ -179,20 +170,21 @@ def residual_draws(loss: LossConfig, decode: DecodeConfig) -> list[tuple[int, fl
     return [(n, w / total) for n, w in sorted(weights.items())]
 
 
-def acceptance(rule: str, p: Tensor, q: Tensor, n: int) -> Tensor:
-    """alpha_rule(p, q, n) [N] from resispec.verify (the one implementation); p, q: [N, S] probabilities."""
-    from resispec.verify import VERIFIERS
-
-    if rule not in VERIFIERS:
-        raise ValueError(f"unknown rule {rule!r}; choose one of {sorted(VERIFIERS)}")
-    return VERIFIERS[rule].acceptance(p, q, n)
+def acceptance(rule: str | VerificationRule, p: Tensor, q: Tensor, n: int) -> Tensor:
+    """alpha_rule(p, q, n) [N] as training sees it: the rule's `surrogate_acceptance` from resispec.verify (the one
+    implementation); p, q: [N, S] probabilities. `rule`: a name in VERIFIERS or a rule object (build_rule)."""
+    if isinstance(rule, str):
+        if rule not in VERIFIERS:
+            raise ValueError(f"unknown rule {rule!r}; choose one of {sorted(VERIFIERS)}")
+        rule = VERIFIERS[rule]
+    return rule.surrogate_acceptance(p, q, n)
 
 
 def residual(
     log_p: Tensor,
     log_q: Tensor,
     *,
-    rule: str,
+    rule: str | VerificationRule,
     n: int | list[tuple[int, float]],
     form: str,
     fkl_weight: float,
@@ -230,7 +222,7 @@ LOSSES: dict[str, PositionLoss] = {
     "tvd": lambda full, served, c, d: tvd(*full),
     "residual": lambda full, served, c, d: residual(
         *full,
-        rule=residual_rule(c, d),
+        rule=build_rule(residual_rule(c, d), d.auto_policy),
         n=residual_draws(c, d),
         form=c.form,
         fkl_weight=c.fkl_weight,
@@ -255,16 +247,15 @@ def check_loss_config(loss: LossConfig, decode: DecodeConfig) -> None:
     if loss.name not in LOSSES:
         raise ValueError(f"unknown loss {loss.name!r}; choose one of {sorted(LOSSES)}")
     if loss.name == "residual":
-        rule = residual_rule(loss, decode)
-        p = torch.tensor([[0.5, 0.5]])
-        try:
-            for n, _ in residual_draws(loss, decode):
-                acceptance(rule, p, p, n)
-        except NotImplementedError as e:
+        name = residual_rule(loss, decode)
+        if name not in VERIFIERS:
+            raise ValueError(f"unknown rule {name!r}; choose one of {sorted(VERIFIERS)}")
+        rule = build_rule(name, decode.auto_policy)
+        if not all(covers(rule.surrogate_draws, n) for n, _ in residual_draws(loss, decode)):
             raise ValueError(
-                f"rule {rule!r} has no closed-form acceptance, so the residual loss cannot target it; "
+                f"rule {name!r} has no closed-form acceptance, so the residual loss cannot target it; "
                 "set loss.rule to a rule with one (e.g. resispec, rrs, kseq, hub, onehot)"
-            ) from e
+            )
 
 
 # ----------------------------------------------------------------------------- masking and weights

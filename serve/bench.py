@@ -2,6 +2,7 @@
 
   python serve/bench.py                        # the tiny pair: AR vs each rule x tree, HF assisted; report.md/json/png
   python serve/bench.py +recipe=debug          # the micro pair, a few seconds of work
+  python serve/bench.py bench.random_pair=true # a random pair shaped like the tiny world: speed only, no world needed
   python serve/bench.py bench.draft_label=initial "+bench.drafts={distilled: 'outputs/distill/tiny/latest/draft'}"
   python serve/bench.py --server http://127.0.0.1:8000 bench.concurrency=8 bench.num_requests=64   # load test
 
@@ -18,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from resispec.config import register_configs, to_typed
+from resispec.errors import exit_on_user_error
 
 register_configs()
 
@@ -39,6 +41,7 @@ def _server_flag_to_override(argv: list[str]) -> list[str]:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
     c = to_typed(cfg)
     out_dir = c.bench.output_dir or HydraConfig.get().runtime.output_dir

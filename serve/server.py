@@ -12,12 +12,14 @@ import hydra
 from omegaconf import DictConfig
 
 from resispec.config import register_configs, to_typed
+from resispec.errors import exit_on_user_error
 from resispec.serving.server import serve
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
     c = to_typed(cfg)
     serve(c.server, c.decode, c.target, c.draft, c.world)

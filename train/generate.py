@@ -7,49 +7,40 @@ accelerate launch train/generate.py +recipe=llama3   # prompts split across proc
 
 from __future__ import annotations
 
-import sys
 import time
 
 import hydra
 from omegaconf import DictConfig
 
 from resispec.config import register_configs, to_typed
+from resispec.errors import exit_on_user_error
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
     from accelerate import Accelerator
 
-    from resispec.data import DataNotFoundError, data_cache_dir, ensure_regenerated
-    from resispec.models import (
-        ModelNotFoundError,
-        load_model,
-        load_tokenizer,
-        resolve_device,
-        resolve_model_path,
-    )
+    from resispec.data import data_cache_dir, ensure_regenerated
+    from resispec.models import load_model, load_tokenizer, resolve_device, resolve_model_path
 
     c = to_typed(cfg)
     accelerator = Accelerator(cpu=resolve_device(c.target.device).type == "cpu")
-    try:
-        target_id = resolve_model_path(c.target.path, c.world)
-        tokenizer = load_tokenizer(c.target, c.world)
-        target = load_model(c.target, c.world)
-        if accelerator.num_processes > 1 and target.device.type != "cpu":
-            target.to(accelerator.device)
-        for split in ("train", "eval"):
-            start = time.perf_counter()
-            rows = ensure_regenerated(c.data, target, tokenizer, split, c.world, accelerator, target_id)
-            tokens = sum(len(r) for r in rows["response_ids"])
-            accelerator.print(
-                f"{split}: {len(rows)} prompts, {tokens} response tokens, {time.perf_counter() - start:.1f}s "
-                f"(cache: {data_cache_dir(c.data, c.world)})"
-            )
-    except (ModelNotFoundError, DataNotFoundError) as err:  # one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    target_id = resolve_model_path(c.target.path, c.world)
+    tokenizer = load_tokenizer(c.target, c.world)
+    target = load_model(c.target, c.world)
+    if accelerator.num_processes > 1 and target.device.type != "cpu":
+        target.to(accelerator.device)
+    for split in ("train", "eval"):
+        start = time.perf_counter()
+        rows = ensure_regenerated(c.data, target, tokenizer, split, c.world, accelerator, target_id)
+        tokens = sum(len(r) for r in rows["response_ids"])
+        accelerator.print(
+            f"{split}: {len(rows)} prompts, {tokens} response tokens, {time.perf_counter() - start:.1f}s "
+            f"(cache: {data_cache_dir(c.data, c.world)})"
+        )
 
 
 if __name__ == "__main__":

@@ -14,11 +14,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from resispec.config import register_configs, to_typed
+from resispec.errors import exit_on_user_error
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="distill")
+@exit_on_user_error
 def main(cfg) -> None:
     from resispec.data import DataNotFoundError
     from resispec.models import ModelNotFoundError, TokenizerMismatchError

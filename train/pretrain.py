@@ -7,26 +7,21 @@ python train/pretrain.py world.cache_dir=/some/folder
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
 from resispec.config import register_configs, to_typed
+from resispec.errors import exit_on_user_error
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="pretrain")
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
-    from resispec.models import ModelNotFoundError, ensure_world, format_report
+    from resispec.models import ensure_world, format_report
 
-    world = to_typed(cfg).world
-    try:
-        paths = ensure_world(world)
-    except ModelNotFoundError as err:  # one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    paths = ensure_world(to_typed(cfg).world)
     print(format_report(paths.report))
     print(f"target: {paths.target_dir}\ndraft:  {paths.draft_dir}\nreport: {paths.root / 'report.json'}")
 

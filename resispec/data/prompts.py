@@ -10,13 +10,15 @@ from pathlib import Path
 import datasets
 
 from resispec.data.config import DataConfig
+from resispec.errors import UserError
 from resispec.models.config import WorldConfig
+from resispec.models.world import SPLITS, stdlib_split_files
 
 DEF_LINE = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+\w+", re.MULTILINE)
 EVAL_NAMES = ("eval", "validation", "test")
 
 
-class DataNotFoundError(RuntimeError):
+class DataNotFoundError(UserError, RuntimeError):
     """A data source could not be found or loaded (missing file, or a hub dataset while offline)."""
 
 
@@ -44,7 +46,6 @@ def stdlib_prompts(
 
     Functions are sampled with a fixed seed from the modules of one world split, so prompt sets of different
     splits never share a file."""
-    from resispec.models.world import SPLITS, stdlib_split_files
 
     name = _source_split(data, split)
     if name not in SPLITS:

@@ -16,7 +16,9 @@ import torch
 from tqdm.auto import tqdm
 
 from resispec.data.config import DataConfig, RegenConfig
+from resispec.data.prompts import load_prompts
 from resispec.models.config import WorldConfig
+from resispec.models.world import cache_root
 
 REGEN_FORMAT = 1
 
@@ -156,7 +158,6 @@ def data_cache_dir(data: DataConfig, world: WorldConfig | None = None) -> Path:
     """data.cache_dir, else `<world cache>/data`."""
     if data.cache_dir:
         return Path(data.cache_dir).expanduser()
-    from resispec.models.world import cache_root
 
     return cache_root(world) / "data"
 
@@ -173,7 +174,6 @@ def ensure_regenerated(
 ) -> datasets.Dataset:
     """Prompts of a split with responses: the target's (data.responses = regenerate, cached) or the source's own
     (data.responses = fixed). -> Dataset(prompt_ids, response_ids)."""
-    from resispec.data.prompts import load_prompts
 
     prompts = load_prompts(data, tokenizer, split, world)
     if data.responses == "fixed":

@@ -13,19 +13,17 @@ Stops: `eos_token_id` (None = the target's generation_config; [] = none), `stop`
 `stop_checker=callable(generated_ids) -> bool`. The token that triggers a stop is the last one emitted; the caller
 trims the stop string from the text. Tokenizers: pass `tokenizer_target=` and `tokenizer_draft=` to have them
 checked (resispec.models.check_same_tokenizer; TokenizerMismatchError). Temperature 0 = greedy (exactly the
-target's greedy output). `python -m resispec.decoding.profile --help`: AR vs speculative vs HF assisted timing.
+target's greedy output). Timing: `python serve/bench.py`
+(`bench.random_pair=true` for a random pair that needs no world).
 """
 
-from resispec.decoding.engine import DecodeOutput, GreedyTopK, SpeculativeDecoder
-from resispec.decoding.sampling import process_logits
+from resispec.decoding.engine import DecodeOutput, SpeculativeDecoder
 from resispec.decoding.stats import DecodeStats
-from resispec.decoding.tokenizers import TokenizerMismatchError
+from resispec.decoding.vocab import TokenizerMismatchError
 
 __all__ = [
     "DecodeOutput",
     "DecodeStats",
-    "GreedyTopK",
     "SpeculativeDecoder",
     "TokenizerMismatchError",
-    "process_logits",
 ]

@@ -27,12 +27,13 @@ from resispec.decoding.kv_cache import (
     tree_attention_mask,
 )
 from resispec.decoding.lean import lean_spec_steps
-from resispec.decoding.sampling import process_logits, sample_tokens
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
-from resispec.decoding.tokenizers import check_tokenizers, resolve_vocab_size
 from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
-from resispec.verify.base import Proposal
+from resispec.decoding.vocab import check_tokenizers, resolve_vocab_size
+from resispec.sampling import probs, sample_tokens
+from resispec.verify.greedy import GreedyRule
+from resispec.verify.registry import VERIFIERS
 
 
 @dataclass
@@ -41,32 +42,13 @@ class DecodeOutput:
     stats: DecodeStats
 
 
-class GreedyTopK:
-    """Temperature-0 drafting and verification: children = top-n of q, emitted token = argmax p, accepted iff it is
-    a child. Any exact rule emits argmax p with probability 1 when p is one-hot, so this is the rule at T = 0."""
-
-    name = "greedy_topk"
-    scheme = "deterministic"
-
-    def propose(self, q: torch.Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
-        return Proposal(tokens=torch.topk(q, min(n, q.shape[-1]), dim=-1).indices, q=q)  # [B, n]
-
-    def verify(self, p: torch.Tensor, proposal: Proposal, generator: torch.Generator | None = None):
-        token = p.argmax(dim=-1)  # [B]
-        hit = proposal.tokens == token[:, None]  # [B, n]
-        slot = torch.where(hit.any(-1), hit.int().argmax(-1), torch.full_like(token, -1))
-        return token, slot
-
-
-GREEDY_TOPK = GreedyTopK()
+GREEDY_TOPK = GreedyRule()  # the temperature-0 rule (resispec/verify/greedy.py)
 
 
 def _resolve_rule(rule):
     """A rule name (key of resispec.verify.VERIFIERS) or any object with scheme/propose/verify."""
     if not isinstance(rule, str):
         return rule
-    from resispec.verify import VERIFIERS
-
     if rule not in VERIFIERS:
         raise KeyError(f"unknown verification rule {rule!r}; known: {sorted(VERIFIERS)}")
     return VERIFIERS[rule]
@@ -83,7 +65,7 @@ class SpeculativeDecoder:
     lean: run the lean step (resispec/decoding/lean.py: less host work per step, same tokens at temperature 0, same
         law otherwise); False runs the reference step `_spec_steps` below.
     greedy_topk: at temperature 0, draft the top-b tokens per node and verify by argmax matching (every exact
-        rule reduces to that at temperature 0; see GreedyTopK). False runs the rule itself on one-hot p and q
+        rule reduces to that at temperature 0; see resispec/verify/greedy.py). False runs the rule itself on one-hot p and q
         (the reference path; for i.i.d. rules the tree then collapses to a chain).
     """
 
@@ -235,7 +217,7 @@ class SpeculativeDecoder:
 
     def _probs(self, logits: torch.Tensor, settings: dict) -> torch.Tensor:
         """[N, V'] logits -> [N, V] probabilities (vocab cut to the shared size, then THE sampling transform)."""
-        return process_logits(logits[..., : self.vocab_size], **settings)
+        return probs(logits[..., : self.vocab_size], **settings)
 
     def _prefill_target(self, prompt: list[int], stats: DecodeStats):
         """Target cache := prompt[:-1]; the last prompt token is the first root."""
@@ -265,7 +247,7 @@ class SpeculativeDecoder:
             if greedy:
                 tok = logits.argmax(dim=-1)
             else:
-                tok = sample_tokens(process_logits(logits, **settings), generator)
+                tok = sample_tokens(probs(logits, **settings), generator)
             root = int(tok.item())
             stats.target_seconds += time.perf_counter() - t0
             stats.target_forwards += 1
@@ -309,7 +291,7 @@ class SpeculativeDecoder:
                 q = self._probs(logits[0], q_settings)  # [1, V]
                 for depth in range(1, depth_lim + 1):
                     proposal = rule.propose(q, shape[depth - 1], generator)
-                    level = tree.add_level(proposal.tokens.tolist())  # one host sync per depth
+                    level = tree.add_level(proposal.token_ids.tolist())  # one host sync per depth
                     if len(level) == 0:
                         break
                     proposals.append(proposal)

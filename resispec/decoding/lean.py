@@ -26,9 +26,9 @@ from resispec.decoding.kv_cache import (
     new_cache,
     tree_attention_mask,
 )
-from resispec.decoding.sampling import sample_tokens
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.tree import DraftTree
+from resispec.sampling import sample_tokens
 
 
 @torch.inference_mode()
@@ -70,7 +70,7 @@ def lean_spec_steps(
                 else:
                     proposal = rule.propose(dec._probs(logits, settings), width, generator)
                     proposals.append(proposal)
-                    draws = proposal.tokens.tolist()
+                    draws = proposal.token_ids.tolist()
                 level = tree.add_level(draws)
                 if len(level) == 0:
                     if proposals:

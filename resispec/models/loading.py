@@ -11,16 +11,18 @@ from pathlib import Path
 
 import torch
 
+from resispec.errors import UserError
 from resispec.models.config import ModelConfig, WorldConfig
+from resispec.models.world import ensure_world
 
 WORLD_PREFIX = "world:"
 
 
-class ModelNotFoundError(RuntimeError):
+class ModelNotFoundError(UserError, RuntimeError):
     """A model or tokenizer could not be found locally and could not be downloaded."""
 
 
-class TokenizerMismatchError(ValueError):
+class TokenizerMismatchError(UserError, ValueError):
     """Target and draft do not share a tokenizer (speculative decoding needs the same token ids)."""
 
 
@@ -46,7 +48,6 @@ def resolve_model_path(path: str, world: WorldConfig | None = None) -> str:
     anything else unchanged."""
     if not path.startswith(WORLD_PREFIX):
         return path
-    from resispec.models.world import ensure_world
 
     which = path[len(WORLD_PREFIX) :]
     names = ("target", "draft", "tokenizer")

@@ -22,6 +22,15 @@ import numpy as np
 import torch
 
 from resispec.models.config import WorldConfig
+from resispec.models.factory import grow_depth, make_llama, num_params, train_bpe_tokenizer
+from resispec.models.pretraining import (
+    eval_windows,
+    forward_ms,
+    generate_samples,
+    heldout_loss,
+    train_lm,
+    unigram_loss,
+)
 
 WORLD_FORMAT = 1  # bump when the build changes in a way that invalidates cached worlds
 SPLITS = ("train", "validation", "test")
@@ -200,15 +209,6 @@ def ensure_world(world: WorldConfig, progress: bool = True) -> WorldPaths:
 
 
 def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
-    from resispec.models.factory import grow_depth, make_llama, num_params, train_bpe_tokenizer
-    from resispec.models.pretraining import (
-        eval_windows,
-        forward_ms,
-        generate_samples,
-        heldout_loss,
-        train_lm,
-        unigram_loss,
-    )
 
     t_start = time.perf_counter()
     log = print if progress else (lambda *a, **k: None)
@@ -246,13 +246,9 @@ def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
     sample_prompts = [streams["test"][s : s + 24].tolist() for s in test_starts]
 
     models = {}
+    # the draft first: it is short, the target gets the rest
     for role, size, tcfg, seed_off in (
-        (
-            "draft",
-            world.draft,
-            world.draft_train,
-            1,
-        ),  # the draft first: it is short, the target gets the rest
+        ("draft", world.draft, world.draft_train, 1),
         ("target", world.target, world.target_train, 0),
     ):
         torch.manual_seed(world.seed + seed_off)
@@ -341,9 +337,6 @@ def retrain_draft(world: WorldConfig, progress: bool = True) -> dict:
     the tokenizer are untouched, so regenerated data stays valid."""
     from transformers import AutoTokenizer
 
-    from resispec.models.factory import make_llama, num_params
-    from resispec.models.pretraining import eval_windows, forward_ms, heldout_loss, train_lm
-
     paths = load_world(world)
     if paths is None:
         raise RuntimeError(f"world {world.name} is not built yet (python train/pretrain.py)")
@@ -385,8 +378,6 @@ def remeasure_speed(world: WorldConfig, reps: int = 60) -> dict:
 
     Build-time numbers are taken while the machine may be busy; the previous values are kept as *_at_build."""
     from transformers import AutoModelForCausalLM
-
-    from resispec.models.pretraining import forward_ms
 
     paths = load_world(world)
     if paths is None:

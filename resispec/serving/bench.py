@@ -6,7 +6,8 @@ forward time / mean target forward time) and the speedup over the AR row of the 
 
 `run_bench(...)` (typed configs, used by `serve/bench.py` and the pipeline) loads what it needs and returns the
 rows; `bench_pair(...)` measures already-loaded models; `write_report(...)` writes report.md, report.json and
-speedup.png.
+speedup.png. This is the one speed harness: tau and c come from DecodeStats. `bench.random_pair=true` times a
+random-weight pair shaped like the tiny world instead (no built world needed; speed only).
 """
 
 from __future__ import annotations
@@ -20,8 +21,14 @@ from typing import Any
 
 import torch
 
+from resispec.data.prompts import load_prompts
+from resispec.decoding import DecodeStats, SpeculativeDecoder
 from resispec.decoding.config import DecodeConfig
+from resispec.models import load_pair
+from resispec.models.config import ModelConfig
+from resispec.models.loading import check_same_tokenizer, load_model, load_tokenizer, resolve_device
 from resispec.serving.config import BenchConfig
+from resispec.verify import build_rule
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +70,6 @@ def _tree_str(tree: list[int]) -> str:
 
 def _sum_stats(stats_list: list) -> Any:
     """Sum DecodeStats counters over prompts (list fields element-wise); properties then give tau, c, ..."""
-    from resispec.decoding import DecodeStats
 
     total = DecodeStats()
     for s in stats_list:
@@ -161,7 +167,6 @@ def _methods(
     sampling: dict,
 ) -> list[_Method]:
     """AR first (the baseline), then every (draft, rule, tree), then HF assisted per draft and chain length."""
-    from resispec.decoding import SpeculativeDecoder
 
     device = next(target.parameters()).device
     first_draft = next(iter(drafts.values()))
@@ -171,7 +176,12 @@ def _methods(
         for rule in bench.rules:
             for tree in bench.trees:
                 dec = SpeculativeDecoder(
-                    target, draft, rule=rule, tree=tree, tokenizer=tokenizer, compile=decode.compile
+                    target,
+                    draft,
+                    rule=build_rule(rule, decode.auto_policy),
+                    tree=tree,
+                    tokenizer=tokenizer,
+                    compile=decode.compile,
                 )
                 row = BenchRow("spec", temperature, draft=label, rule=rule, tree=_tree_str(tree))
                 out.append(_decoder_method(row, dec.generate, device, sampling))
@@ -415,13 +425,48 @@ def load_bench_prompts(data, tokenizer, world, num_prompts: int) -> list[list[in
     """Held-out prompts: the `test` split of the data source (never seen in distillation)."""
     from dataclasses import replace
 
-    from resispec.data.prompts import load_prompts
-
-    data = replace(
-        data, num_eval_prompts=max(data.num_eval_prompts, num_prompts)
-    )  # non-train splits use this count
+    # non-train splits use this count
+    data = replace(data, num_eval_prompts=max(data.num_eval_prompts, num_prompts))
     ds = load_prompts(data, tokenizer, split="test", world=world)
     return [list(p) for p in ds["prompt_ids"][:num_prompts]]
+
+
+# a random-weight pair shaped like the tiny world (conf/world/tiny.yaml): vocab, widths, depths, heads
+RANDOM_VOCAB = 8192
+RANDOM_TARGET = dict(hidden=256, layers=12, heads=4)
+RANDOM_DRAFT = dict(hidden=96, layers=1, heads=2)
+RANDOM_PROMPT_LEN = 32
+
+
+def random_pair(device: str | torch.device, seed: int = 0):
+    """(target, draft, tokenizer stand-in): random Llamas shaped like the tiny world, no built world needed. For
+    timing only: their tau says nothing about a trained pair."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make(hidden: int, layers: int, heads: int, seed: int) -> LlamaForCausalLM:
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(
+            vocab_size=RANDOM_VOCAB,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+        return LlamaForCausalLM(cfg).to(device).eval()
+
+    target, draft = make(**RANDOM_TARGET, seed=seed), make(**RANDOM_DRAFT, seed=seed + 1)
+    tokenizer = SimpleNamespace(eos_token_id=target.config.eos_token_id, pad_token_id=0)
+    return target, draft, tokenizer
+
+
+def random_prompts(num_prompts: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, RANDOM_VOCAB, (num_prompts, RANDOM_PROMPT_LEN), generator=gen).tolist()
 
 
 def run_bench(
@@ -442,17 +487,19 @@ def run_bench(
 
     prompts: token id lists; default: `bench.num_prompts` held-out prompts of `data` (split `test`).
     output_dir: default `bench.output_dir`; one of them must be set.
+    bench.random_pair: time a random pair shaped like the tiny world instead (random prompts; no world, no data).
     """
-    from resispec.models import load_pair
-    from resispec.models.config import ModelConfig
-    from resispec.models.loading import check_same_tokenizer, load_model, load_tokenizer
 
     out_dir = output_dir or bench.output_dir
     if out_dir is None:
         raise ValueError("run_bench needs output_dir (or bench.output_dir)")
-    target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
+    if bench.random_pair:
+        target, draft, tokenizer = random_pair(resolve_device(target_cfg.device), bench.seed)
+        prompts = prompts or random_prompts(bench.num_prompts, bench.seed)
+    else:
+        target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
     drafts = {bench.draft_label: draft}
-    for label, path in bench.drafts.items():
+    for label, path in bench.drafts.items() if not bench.random_pair else ():
         if path == draft_cfg.path:
             drafts = {label if k == bench.draft_label else k: v for k, v in drafts.items()}
             continue
@@ -468,7 +515,7 @@ def run_bench(
     device = next(target.parameters()).device
     meta = {
         "run": run_name,
-        "target": target_cfg.path,
+        "target": "random (tiny-world shape)" if bench.random_pair else target_cfg.path,
         "drafts": {k: (draft_cfg.path if v is draft else bench.drafts.get(k)) for k, v in drafts.items()},
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"

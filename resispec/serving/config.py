@@ -10,9 +10,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str = "resispec"  # the id /v1/models reports and requests must name
-    api_key: str | None = (
-        None  # or env RESISPEC_API_KEY; when set, requests need `Authorization: Bearer <key>`
-    )
+    # or env RESISPEC_API_KEY; when set, requests need `Authorization: Bearer <key>`
+    api_key: str | None = None
     max_queue: int = 64  # requests waiting for the decoding worker; more get 503
     max_tokens_default: int = 128  # when a request gives no max_tokens (capped by the context left)
     max_model_len: int | None = None  # context length; null = the smaller max_position_embeddings of the pair
@@ -48,3 +47,5 @@ class BenchConfig:
     num_requests: int = 32
     seed: int = 0
     output_dir: str | None = None  # default: the Hydra run folder
+    # time a random-weight pair shaped like the tiny world (no built world, random prompts): speed only, tau is noise
+    random_pair: bool = False

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import logging
 
+from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.config import DecodeConfig
+from resispec.models import load_pair
 from resispec.models.config import ModelConfig, WorldConfig
+from resispec.serving.app import create_app
 from resispec.serving.config import ServerConfig
+from resispec.serving.worker import DecoderEngine
+from resispec.verify import build_rule
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +30,14 @@ def context_length(target, draft, server: ServerConfig) -> int:
 
 def build_engine(target, draft, tokenizer, decode: DecodeConfig):
     """A DecoderEngine for the loaded pair under the `decode` settings (rule `ar` serves the target alone)."""
-    from resispec.decoding import SpeculativeDecoder
-    from resispec.serving.worker import DecoderEngine
 
     speculative = decode.rule not in AR_RULES
     decoder = SpeculativeDecoder(
         target,
         draft,
-        rule=decode.rule if speculative else "chain",  # the AR path never calls the rule
+        rule=build_rule(decode.rule, decode.auto_policy)
+        if speculative
+        else "chain",  # AR never calls the rule
         tree=decode.tree,
         tokenizer=tokenizer,
         compile=decode.compile,
@@ -48,8 +53,6 @@ def build_app(
     world: WorldConfig | None = None,
 ):
     """Load the pair named by the configs and return the FastAPI app serving it."""
-    from resispec.models import load_pair
-    from resispec.serving.app import create_app
 
     target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
     engine = build_engine(target, draft, tokenizer, decode)

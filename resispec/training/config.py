@@ -1,28 +1,13 @@
-"""Typed config for distillation (Hydra groups `loss`, `optim`, `train`, `logger`)."""
+"""Typed config for distillation (Hydra groups `optim`, `train`, `logger`; the `loss` group's LossConfig lives with the
+losses in resispec/losses.py and is re-exported here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from resispec.losses import LossConfig
 
-@dataclass
-class LossConfig:
-    """`name`: fkl | rkl | jsd | tvd | residual. The residual loss is 1 - alpha_rule(p, q, n) with rule and n
-    from the decode config (`rule: null` = decode.rule); `form` picks the plain, -log or fkl-hybrid variant."""
-
-    name: str = "residual"
-    rule: str | None = None
-    form: str = (
-        "hybrid"  # plain (1 - alpha) | log (-log alpha) | hybrid (1 - alpha + fkl_weight * fkl) | log_hybrid
-    )
-    num_draws: int | None = None  # n for alpha_rule(p, q, n); null = decode.tree[0] (the root's branching)
-    draws: str = "root"  # root: alpha at n = num_draws | tree: mean of alpha(n_d) over the tree's depths d
-    fkl_weight: float = 0.1
-    jsd_beta: float = 0.5
-    depth_decay: float = (
-        1.0  # position t of a response weighs depth_decay ** (t mod len(tree)); with draws=tree
-    )
-    # depth d of the tree weighs depth_decay ** d instead (positions then all weigh 1); 1 = off
+__all__ = ["LoggerConfig", "LossConfig", "OptimConfig", "TrainConfig"]
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Along target-generated held-out sequences (prompt + regenerated response), at every response position we take
 p (target) and q (draft) after the decode processing and compute, for every rule of resispec.verify with a
-closed-form acceptance, alpha_rule(p, q, n) for each branching n of the configured tree.
+closed-form acceptance (its `surrogate_acceptance`), alpha_rule(p, q, n) for each branching n of the configured tree.
 
 Simulated tau. A tree with branching [n_0, ..., n_{D-1}] starting at response position s emits the accepted path
 plus one bonus/correction token. If the tree's path follows the sequence, its depth-d node sits at position
@@ -25,32 +25,27 @@ import torch
 from tqdm.auto import tqdm
 
 from resispec.decoding.config import DecodeConfig
-from resispec.losses import CLOSED_FORM_BRANCH, acceptance, fkl, process_logits
+from resispec.losses import acceptance, fkl
+from resispec.sampling import log_probs
+from resispec.verify import VERIFIERS, build_rule, covers
 
 Tensor = torch.Tensor
 
 
 def closed_form_rules(ns: list[int] | tuple[int, ...] = (1, 2, 4)) -> list[str]:
-    """Rules of resispec.verify whose acceptance has a closed form for every n in `ns` (the others raise
-    NotImplementedError: rsd and gumbel always, some rules above a given n)."""
-    from resispec.verify import VERIFIERS
-
-    p = torch.tensor([[0.6, 0.3, 0.1]])
-    q = torch.tensor([[0.2, 0.3, 0.5]])
-    rules = []
-    for name in VERIFIERS:
-        try:
-            for n in ns:
-                VERIFIERS[name].acceptance(p, q, int(n))
-        except NotImplementedError:
-            continue
-        rules.append(name)
-    return rules
+    """Rules of resispec.verify whose training value (`surrogate_acceptance`: the closed form, or resispec_auto's
+    closed-form stand-in) is declared for every n in `ns` (not rsd and gumbel; not `greedy`, exact only at
+    temperature 0)."""
+    return [
+        name
+        for name, rule in VERIFIERS.items()
+        if not rule.greedy_only and all(covers(rule.surrogate_draws, int(n)) for n in ns)
+    ]
 
 
 def eval_rule(rule: str) -> str:
-    """The rule whose simulated tau picks checkpoints (its closed-form branch if it has none)."""
-    return CLOSED_FORM_BRANCH.get(rule, rule)
+    """The rule whose simulated tau picks checkpoints: the decode rule itself (scored by its surrogate)."""
+    return rule
 
 
 def simulate_tau(alpha_by_depth: list[Tensor], lengths: list[int]) -> tuple[float, list[float]]:
@@ -104,8 +99,8 @@ def _pair_logprobs(
     q_logits = draft(input_ids=x).logits[0, sl]
     top_k, top_p = decode.top_k, decode.top_p
     return (
-        process_logits(p_logits, decode.temperature, top_k, top_p),
-        process_logits(q_logits, decode.temperature, top_k, top_p),
+        log_probs(p_logits, decode.temperature, top_k, top_p),
+        log_probs(q_logits, decode.temperature, top_k, top_p),
     )
 
 
@@ -128,6 +123,7 @@ def evaluate(
     tree = [int(n) for n in decode.tree]
     ns = sorted(set(tree))
     alphas: dict[str, dict[int, list[Tensor]]] = {r: {n: [] for n in ns} for r in rules}
+    rule_objs = {r: build_rule(r, decode.auto_policy) for r in rules}
     fkls, lengths = [], []
     for ids, num_prompt in tqdm(sequences, desc="held-out alpha", disable=not show_progress, leave=False):
         log_p, log_q = _pair_logprobs(target, draft, ids, num_prompt, decode, device)  # [R, V]
@@ -137,7 +133,7 @@ def evaluate(
             p, q = log_p[s : s + chunk].exp(), log_q[s : s + chunk].exp()
             for r in rules:
                 for n in ns:
-                    alphas[r][n].append(acceptance(r, p, q, n).float().cpu())
+                    alphas[r][n].append(acceptance(rule_objs[r], p, q, n).float().cpu())
     draft.train(was_training)
     out: dict = {
         "num_positions": int(sum(lengths)),

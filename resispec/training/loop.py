@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from resispec.data.config import DataConfig
 from resispec.decoding.config import DecodeConfig
+from resispec.errors import UserError
 from resispec.losses import check_loss_config, describe_loss, distill_loss
 from resispec.models.config import ModelConfig, WorldConfig
 from resispec.training import checkpoint as ckpt
@@ -28,11 +29,11 @@ from resispec.training.signal import attach_cache, build_cache, cache_key, cache
 from resispec.training.tracking import RunLogger
 
 
-class EmptyDatasetError(ValueError):
+class EmptyDatasetError(UserError, ValueError):
     """The training or held-out data has no response token to learn from."""
 
 
-class DistillConfigError(ValueError):
+class DistillConfigError(UserError, ValueError):
     """A setting the run cannot honour (unknown loss, a rule without a closed form, ...)."""
 
 

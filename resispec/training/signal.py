@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from resispec.losses import TargetSignal, effective_temperature
+from resispec.losses import TargetSignal
+from resispec.sampling import effective_temperature
 
 Tensor = torch.Tensor
 

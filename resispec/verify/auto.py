@@ -5,22 +5,23 @@ i.i.d. draws repeat the top token and distinct draws (`gumbel`, `rsd` or `resisp
 before drafting, so a choice that looks only at q (and n) keeps every node exact: each row is an exact rule.
 
     rule = VERIFIERS["resispec_auto"]                # default policy: distinct + gumbel where max q >= 0.3
-    proposal = rule.propose(q, n, generator)         # AutoProposal: tokens [B, n] + which branch each row took
+    rule = build_rule("resispec_auto", "auto_policy.json")   # a calibrated policy (resispec.verify.registry)
+    proposal = rule.propose(q, n, generator)         # AutoProposal: token_ids [B, n] + which branch each row took
     token, slot = rule.verify(p, proposal, generator)
     alpha = rule.acceptance(p, q, n)                 # exact; raises if a row's branch has no closed form
-    alpha = rule.surrogate_acceptance(p, q, n)       # never raises: a surrogate on those rows (below)
+    alpha = rule.surrogate_acceptance(p, q, n)       # the training surrogate: closed form on every row (below)
 
 Policy (`AutoPolicy`): a feature of q (`max_q` or `entropy`, in nats) against a threshold, plus the two rules to
-use; threshold and distinct rule can be set per n (the small table `python -m resispec.verify.headroom`
-calibrates). The rule API gives no depth, so the policy uses q and n only. Load a calibrated policy
-with `configure_auto(AutoPolicy.load(path))`, or point the environment variable RESISPEC_AUTO_POLICY at the JSON file
-before `resispec.verify` is imported.
+use; threshold and distinct rule can be set per n (the small table `python serve/headroom.py` calibrates). The rule
+API gives no depth, so the policy uses q and n only. The policy is plain data: the decoder, server and bench take it
+from `decode.auto_policy` (a JSON path or inline values) through `build_rule`; each call builds its own rule object,
+so two policies coexist in one process. The branch rules are injected (`ResiSpecAutoRule(policy, iid=, distinct=)`).
 
 acceptance: rows on the i.i.d. branch get resispec's closed form, sum min(p, T* q). Rows on the distinct branch
 get that rule's closed form when it has one (resispec_wor, n <= 2). gumbel and rsd have none: `acceptance` then
 raises NotImplementedError (like gumbel and rsd themselves), and `surrogate_acceptance` returns, on those rows, the
 resispec closed form, i.e. what the node would accept had it drafted i.i.d. That surrogate is what a residual
-training loss can use (resispec.losses maps resispec_auto to resispec for the same reason); on those rows the real
+training loss and checkpoint selection use (`surrogate_draws` = the i.i.d. branch's closed-form range); on those rows the real
 per-node alpha is usually higher (that is why the policy chose distinct draws). The headroom tool measures the
 real value by Monte Carlo.
 """
@@ -28,14 +29,13 @@ real value by Monte Carlo.
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from resispec.verify.base import Proposal, Tensor, check_draws, check_pair
-from resispec.verify.distinct import ResiSpecWORRule
+from resispec.verify.base import Proposal, Tensor, VerificationRule, check_draws, check_pair, covers
 
 FEATURES = ("max_q", "entropy")
 
@@ -106,7 +106,7 @@ class AutoProposal(Proposal):
         part = self.distinct_part if is_distinct else self.iid_part
         sub = part.select(int((mask[:row] == is_distinct).sum()))
         return AutoProposal(
-            tokens=self.tokens[row : row + 1],
+            token_ids=self.token_ids[row : row + 1],
             q=self.q[row : row + 1],
             noise=None if self.noise is None else self.noise[row : row + 1],
             distinct_mask=mask[row : row + 1],
@@ -115,31 +115,58 @@ class AutoProposal(Proposal):
         )
 
 
-def _rules():
-    from resispec.verify import VERIFIERS
-
-    return VERIFIERS
-
-
 class ResiSpecAutoRule:
     """Per-node choice between an i.i.d. and a distinct drafting scheme (module docstring)."""
 
-    name = "resispec_auto"
     scheme = "iid"  # per row it is "iid" or "distinct"; the proposal's distinct_mask says which
+    greedy_only = False
 
-    def __init__(self, policy: AutoPolicy | None = None, name: str = "resispec_auto") -> None:
+    def __init__(
+        self,
+        policy: AutoPolicy | None,
+        iid: VerificationRule,
+        distinct: Mapping[str, VerificationRule],
+        name: str = "resispec_auto",
+    ) -> None:
+        """policy: None = the default AutoPolicy. iid: the rule named policy.iid_rule. distinct: the distinct rules
+        by name, covering every rule the policy names."""
         self.policy = policy or AutoPolicy()
         self.name = name
+        names = {self.policy.distinct_rule, *self.policy.distinct_rules.values()}
+        if iid.name != self.policy.iid_rule or not names <= set(distinct):
+            raise ValueError(
+                f"resispec_auto's policy names iid {self.policy.iid_rule!r} and distinct {sorted(names)}; "
+                f"given iid {iid.name!r} and distinct {sorted(distinct)}"
+            )
+        self.iid, self.distinct = iid, dict(distinct)
 
     def __repr__(self) -> str:
         return f"<verification rule {self.name!r} ({self.policy})>"
 
-    def _branches(self, n: int):
-        rules = _rules()
-        return rules[self.policy.iid_rule], rules[self.policy.distinct_rule_for(n)]
+    def _branches(self, n: int) -> tuple[VerificationRule, VerificationRule]:
+        return self.iid, self.distinct[self.policy.distinct_rule_for(n)]
+
+    @property
+    def closed_form_draws(self) -> int | None:
+        """The largest N such that every n <= N has a closed form on both branches (None: every n)."""
+        caps = [self.iid.closed_form_draws, self.distinct[self.policy.distinct_rule].closed_form_draws]
+        finite = [c for c in caps if c is not None]
+        limit = min(finite) if finite else None
+        for n, name in sorted(self.policy.distinct_rules.items()):  # per-n overrides can only lower it here
+            if limit is not None and n > limit:
+                break
+            if not covers(self.distinct[name].closed_form_draws, n):
+                limit = n - 1
+                break
+        return limit
+
+    @property
+    def surrogate_draws(self) -> int | None:
+        """The surrogate is the i.i.d. branch's closed form where the distinct one has none."""
+        return self.iid.closed_form_draws
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> AutoProposal:
-        """q [B, V] -> AutoProposal(tokens [B, n]); each row drafted by the branch its q selects."""
+        """q [B, V] -> AutoProposal(token_ids [B, n]); each row drafted by the branch its q selects."""
         check_draws(n)
         iid, distinct = self._branches(n)
         mask = self.policy.distinct_rows(q, n)  # [B]
@@ -149,16 +176,15 @@ class ResiSpecAutoRule:
         d_part = distinct.propose(q[d_rows], n, generator) if len(d_rows) else None
         i_part = iid.propose(q[i_rows], n, generator) if len(i_rows) else None
         if d_part is not None:
-            tokens[d_rows] = d_part.tokens
-            if (
-                d_part.noise is not None
-            ):  # for callers that read proposal.noise; rows of the other branch are 0
+            tokens[d_rows] = d_part.token_ids
+            # for callers that read proposal.noise; rows of the other branch are 0
+            if d_part.noise is not None:
                 noise = torch.zeros_like(q)
                 noise[d_rows] = d_part.noise
         if i_part is not None:
-            tokens[i_rows] = i_part.tokens
+            tokens[i_rows] = i_part.token_ids
         return AutoProposal(
-            tokens=tokens, q=q, noise=noise, distinct_mask=mask, iid_part=i_part, distinct_part=d_part
+            token_ids=tokens, q=q, noise=noise, distinct_mask=mask, iid_part=i_part, distinct_part=d_part
         )
 
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
@@ -195,14 +221,13 @@ class ResiSpecAutoRule:
         alpha = iid.acceptance(p, q, n)
         mask = self.policy.distinct_rows(q, n)
         if bool(mask.any()):
-            try:
+            if covers(distinct.closed_form_draws, n):
                 alpha = torch.where(mask, distinct.acceptance(p, q, n), alpha)
-            except NotImplementedError:
-                if strict:
-                    raise NotImplementedError(
-                        f"resispec_auto: {int(mask.sum())} row(s) use {distinct.name!r}, which has no "
-                        "closed-form acceptance; estimate it by sampling verify(), or use surrogate_acceptance"
-                    ) from None
+            elif strict:
+                raise NotImplementedError(
+                    f"resispec_auto: {int(mask.sum())} row(s) use {distinct.name!r}, which has no "
+                    "closed-form acceptance; estimate it by sampling verify(), or use surrogate_acceptance"
+                )
         return alpha
 
     def branch_names(self, q: Tensor, n: int) -> list[str]:
@@ -211,21 +236,13 @@ class ResiSpecAutoRule:
         return [self.policy.distinct_rule_for(n) if m else self.policy.iid_rule for m in mask.tolist()]
 
 
-def configure_auto(policy: AutoPolicy) -> ResiSpecAutoRule:
-    """Give the registered resispec_auto a new policy (e.g. one calibrated by the headroom tool)."""
-    rule = _rules()["resispec_auto"]
-    rule.policy = policy
-    return rule
-
-
-def _register() -> None:
-    from resispec.verify import VERIFIERS, register
-
-    if "resispec_wor" not in VERIFIERS:
-        register(ResiSpecWORRule())
-    if "resispec_auto" not in VERIFIERS:
-        env = os.environ.get("RESISPEC_AUTO_POLICY")
-        register(ResiSpecAutoRule(AutoPolicy.load(env) if env else None))
-
-
-_register()
+def resolve_auto_policy(value: AutoPolicy | str | Mapping | None) -> AutoPolicy | None:
+    """`decode.auto_policy` -> AutoPolicy: None (the default policy), a JSON path (as the headroom tool writes),
+    or inline values (a mapping of AutoPolicy fields)."""
+    if value is None or isinstance(value, AutoPolicy):
+        return value
+    if isinstance(value, str):
+        return AutoPolicy.load(value)
+    if isinstance(value, Mapping):
+        return AutoPolicy(**dict(value))
+    raise ValueError(f"auto_policy must be a JSON path or a mapping of AutoPolicy fields, got {value!r}")

@@ -2,7 +2,7 @@
 
 Conventions (every rule follows them, the decoder relies on them):
 - p, q: [B, V] probabilities after the SAME temperature / top-k / top-p processing; float32 or float64; any device.
-- proposal.tokens: [B, n] LongTensor in draw order. `-1` marks an EMPTY draw slot: a distinct scheme whose q has
+- proposal.token_ids: [B, n] LongTensor in draw order. `-1` marks an EMPTY draw slot: a distinct scheme whose q has
   fewer than n tokens of positive mass (its draws stop at the support), or `chain` (one draw) asked for n > 1.
   The decoder must skip -1 (no child node).
 - i.i.d. schemes may repeat a token; repeated draws are ONE child node.
@@ -27,14 +27,14 @@ SCHEMES = ("iid", "distinct", "deterministic")
 class Proposal:
     """The draws of a batch of nodes plus what their verification needs.
 
-    tokens: [B, n] draws in draw order (-1 = empty slot). q: [B, V] the draft distribution they came from.
+    token_ids: [B, n] draws in draw order (-1 = empty slot). q: [B, V] the draft distribution they came from.
     draw_probs: [B, n] (rsd) probability of each draw under the draw-time conditional q_i (q without the
         earlier draws, renormalised); 0 for empty slots.
     noise: [B, V] (gumbel, rsd) the Gumbel noise G of the draws; gumbel reuses it to emit argmax(log p + G).
     top_ids: [B, n - 1] (hub) the fixed top set of q (-1 = empty).
     """
 
-    tokens: Tensor  # [B, n] long
+    token_ids: Tensor  # [B, n] long
     q: Tensor  # [B, V]
     draw_probs: Tensor | None = None  # [B, n]
     noise: Tensor | None = None  # [B, V]
@@ -42,14 +42,14 @@ class Proposal:
 
     @property
     def num_draws(self) -> int:
-        return self.tokens.shape[-1]
+        return self.token_ids.shape[-1]
 
     def select(self, row: int) -> Proposal:
         """The proposal of one node (row `row`) alone: every [B, ...] field cut to [1, ...]. Verifying it with that
         node's p is the same as verifying the whole batch and reading that row (rows are independent)."""
         cut = lambda x: None if x is None else x[row : row + 1]  # noqa: E731
         return Proposal(
-            tokens=cut(self.tokens),
+            token_ids=cut(self.token_ids),
             q=cut(self.q),
             draw_probs=cut(self.draw_probs),
             noise=cut(self.noise),
@@ -59,10 +59,21 @@ class Proposal:
 
 @runtime_checkable
 class VerificationRule(Protocol):
-    """What the decoder, the losses and the benchmarks use. `scheme`: "iid" | "distinct" | "deterministic"."""
+    """What the decoder, the losses and the benchmarks use. `scheme`: "iid" | "distinct" | "deterministic".
+
+    Declared capabilities (callers read them instead of catching NotImplementedError):
+    closed_form_draws: the largest n for which `acceptance` is a closed form (None = every n; 0 = none: estimate
+        by sampling, resispec.verify.estimate);
+    surrogate_draws: the same for `surrogate_acceptance`, the value training losses and checkpoint selection use
+        (the closed form itself, or for a rule that drafts per node a closed-form stand-in: verify/auto.py);
+    greedy_only: exact only for one-hot p (temperature 0), like `greedy`; such rules are skipped where p is not.
+    """
 
     name: str
     scheme: str
+    closed_form_draws: int | None
+    surrogate_draws: int | None
+    greedy_only: bool
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal: ...
 
@@ -71,6 +82,13 @@ class VerificationRule(Protocol):
     ) -> tuple[Tensor, Tensor]: ...
 
     def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor: ...
+
+    def surrogate_acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor: ...
+
+
+def covers(draws: int | None, n: int) -> bool:
+    """Whether a declared capability (`closed_form_draws`, `surrogate_draws`) holds at n draws."""
+    return draws is None or n <= draws
 
 
 # ---------------------------------------------------------------------------------------------- checks

@@ -1,7 +1,8 @@
 """Upper bounds on per-node acceptance over ALL exact rules for a drafting scheme (DESIGN.md).
 
 alpha*_iid = min over prefixes H of the tokens sorted by increasing p/q of [p(H) + 1 - q(H)^n]  (O(V log V));
-alpha*_wor = min over all sets H of [p(H) + 1 - P(all n distinct draws lie in H)]            (2^V: small V only).
+alpha*_wor = min over all sets H of [p(H) + 1 - P(all n distinct draws lie in H)]            (2^V: small V only);
+  `wor_prefix_bound` restricts H to the p/q-sorted prefixes: an upper bound on alpha*_wor for any V.
 (Any rule emits a token outside H with probability >= p(V \\ H); it can only emit a child there, so it fails
 whenever all draws lie in H and the token does not.)
 """
@@ -83,3 +84,39 @@ def optimal_acceptance(p: Tensor, q: Tensor, n: int, scheme: str = "iid") -> Ten
         if scheme == "wor":
             return optimal_wor(p, q, n)
     raise ValueError(f"unknown scheme {scheme!r}; choose 'iid' or 'wor'")
+
+
+def wor_prefix_bound(p: Tensor, q: Tensor, n: int, grid_size: int = 400) -> Tensor:
+    """Upper bound on α*_wor [N]: min over prefixes H of the tokens sorted by increasing p/q of
+    p(H) + 1 - P(all n distinct draws lie in H). n = 2: P = q(H) Σ_H q/(1-q) - Σ_H q²/(1-q) exactly.
+    n > 2: P by exponential races (draws without replacement = order of arrival of clocks with rates q),
+        P(S ⊆ H) = ∫ P(at least n of H arrived by u) d(1 - exp(-q(H^c) u)),
+    bracketed from below on a log grid of u (the integrand increases in u), so the result stays an upper bound."""
+    w = torch.where(q > 0, p / q.clamp_min(1e-300), torch.full_like(p, float("inf")))
+    order = torch.argsort(w, dim=-1)
+    p_s, q_s = p.gather(-1, order).double(), q.gather(-1, order).double()  # [N, V]
+    p_h = torch.cumsum(p_s, -1)  # [N, V] p(H_k), k = 1..V
+    if n == 2:
+        q_h = torch.cumsum(q_s, -1)
+        a = torch.cumsum(q_s / (1 - q_s).clamp_min(1e-300), -1)
+        b = torch.cumsum(q_s**2 / (1 - q_s).clamp_min(1e-300), -1)
+        inside = (q_h * a - b).clamp(0, 1)
+    else:
+        u = torch.logspace(-3, 7, grid_size, dtype=torch.float64)  # [G]
+        # P(count = j), j = n means >= n
+        state = torch.zeros(p.shape[0], grid_size, n + 1, dtype=torch.float64)
+        state[..., 0] = 1.0
+        q_out = (1 - torch.cumsum(q_s, -1)).clamp_min(0)  # [N, V] q(H^c)
+        inside = torch.ones_like(p_s)  # [N, V]; H = support (q(H^c) = 0): always inside
+        for k in range(p.shape[1]):
+            arrived = -torch.expm1(-q_s[:, k, None] * u)  # [N, G]
+            moved = state[..., :n] * arrived[..., None]  # [N, G, n]
+            state = state.clone()
+            state[..., :n] -= moved
+            state[..., 1:] += moved
+            cdf = -torch.expm1(-q_out[:, k, None] * u)  # [N, G] law of the first arrival outside H
+            step = torch.diff(cdf, dim=-1, append=torch.ones_like(cdf[:, :1]))  # mass of [u_g, u_{g+1})
+            lower = (state[..., n] * step).sum(-1).clamp(0, 1)  # left end: the integrand increases in u
+            inside[:, k] = torch.where(q_out[:, k] > 0, lower, inside[:, k])
+    vals = p_h + 1 - inside
+    return torch.minimum(vals.min(-1).values, torch.ones_like(vals[:, 0]))

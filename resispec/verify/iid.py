@@ -38,7 +38,7 @@ from resispec.verify.base import (
     sample_weights,
     uniform,
 )
-from resispec.verify.profile import RatioProfile
+from resispec.verify.ratio import RatioProfile
 
 
 def bisection_steps(dtype: torch.dtype) -> int:
@@ -242,7 +242,7 @@ def verify_sequential(
     p: Tensor, proposal: Proposal, plan, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor]:
     """Run a plan on the draws (module docstring). p [B, V] -> token [B], slot [B]."""
-    tokens, q = proposal.tokens, proposal.q  # [B, n], [B, V]
+    tokens, q = proposal.token_ids, proposal.q  # [B, n], [B, V]
     n = tokens.shape[-1]
     valid = tokens >= 0
     ids = tokens.clamp_min(0)
@@ -273,14 +273,24 @@ def verify_sequential(
 class _IidRule:
     scheme = "iid"
     name = ""
+    closed_form_draws: int | None = None
+    surrogate_draws: int | None = None
+    greedy_only = False
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
-        """n i.i.d. draws from q [B, V] -> Proposal(tokens [B, n])."""
+        """n i.i.d. draws from q [B, V] -> Proposal(token_ids [B, n])."""
         check_draws(n)
-        return Proposal(tokens=draw_iid(q, n, generator), q=q)
+        return Proposal(token_ids=draw_iid(q, n, generator), q=q)
 
     def __repr__(self) -> str:
         return f"<verification rule {self.name!r} ({self.scheme})>"
+
+    def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        raise NotImplementedError
+
+    def surrogate_acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
+        """The closed form itself."""
+        return self.acceptance(p, q, n)
 
 
 class ChainRule(_IidRule):
@@ -293,13 +303,13 @@ class ChainRule(_IidRule):
         check_draws(n)
         tokens = draw_iid(q, 1, generator)
         pad = tokens.new_full((tokens.shape[0], n - 1), -1)
-        return Proposal(tokens=torch.cat([tokens, pad], -1), q=q)
+        return Proposal(token_ids=torch.cat([tokens, pad], -1), q=q)
 
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
         check_pair(p, proposal.q)
-        first = Proposal(tokens=proposal.tokens[:, :1], q=proposal.q)
+        first = Proposal(token_ids=proposal.token_ids[:, :1], q=proposal.q)
         token, _ = verify_sequential(p, first, greedy_plan(p, proposal.q, 1), generator)
-        return token, first_slot(proposal.tokens, token)
+        return token, first_slot(proposal.token_ids, token)
 
     def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
         check_pair(p, q)

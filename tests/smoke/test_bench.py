@@ -52,3 +52,29 @@ def test_bench_script_writes_report(micro_world, tmp_path):
     assert "| T | method |" in (out / "report.md").read_text()
     assert "tok/s" in proc.stdout and "speedup" in proc.stdout  # the rich table was printed
     assert list(tmp_path.glob("wandb/offline-run-*")), "no offline W&B run was written"
+
+
+def test_bench_random_pair_needs_no_world(tmp_path):
+    """bench.random_pair (the former decoding/profile.py --random): a random tiny-world-shaped pair, random prompts,
+    the same harness and report; tau and c come from DecodeStats."""
+    from resispec.decoding.config import DecodeConfig
+    from resispec.models.config import ModelConfig
+    from resispec.serving.bench import run_bench
+    from resispec.serving.config import BenchConfig
+
+    bench = BenchConfig(
+        random_pair=True,
+        num_prompts=1,
+        warmup=0,
+        max_new_tokens=4,
+        temperatures=[1.0],
+        rules=["chain"],
+        trees=[[2, 1]],
+        hf_assisted=False,
+        output_dir=str(tmp_path),
+    )
+    missing = ModelConfig(path=str(tmp_path / "no_such_model"), device="cpu")  # never loaded
+    rows = run_bench(bench, DecodeConfig(), missing, missing, progress=False, show=False)
+    assert [r.method for r in rows] == ["ar", "spec"]
+    assert rows[1].tau is not None and rows[1].tau >= 1.0 and rows[1].c is not None
+    assert json.loads((tmp_path / "report.json").read_text())["meta"]["target"].startswith("random")

@@ -14,7 +14,8 @@ from scipy.stats import chi2
 
 from resispec.verify import VERIFIERS
 from resispec.verify.auto import AutoPolicy, AutoProposal, ResiSpecAutoRule, confidence_feature
-from resispec.verify.distinct import choose_lambda, residual_after_reject, two_step_value
+from resispec.verify.registry import auto_rule, build_rule
+from resispec.verify.wor import choose_lambda, residual_after_reject, two_step_value
 from tests.unit.test_verify_reference import load_cases
 
 TAIL = 1e-5  # chi-square tail probability per test
@@ -65,21 +66,21 @@ def _repeat(x: torch.Tensor, k: int) -> torch.Tensor:
 def test_auto_mixed_batch_is_exact(distinct_rule: str, n: int) -> None:
     k = 10_000
     p, q = _mixed_pair()
-    rule = ResiSpecAutoRule(AutoPolicy(threshold=0.3, distinct_rule=distinct_rule))
+    rule = auto_rule(AutoPolicy(threshold=0.3, distinct_rule=distinct_rule))
     gen = torch.Generator().manual_seed(1234 + n)
     pp, qq = _repeat(p, k), _repeat(q, k)
     proposal = rule.propose(qq, n, gen)
-    assert isinstance(proposal, AutoProposal) and proposal.tokens.shape == (4 * k, n)
+    assert isinstance(proposal, AutoProposal) and proposal.token_ids.shape == (4 * k, n)
     mask = proposal.distinct_mask.view(4, k)
     assert mask[:, 0].tolist() == [False, True, False, True]  # both branches in one batch
     assert bool((mask == mask[:, :1]).all())  # the choice depends on q only
     # distinct rows never repeat a token; their empty slots are past q's support only
-    d_tok = proposal.tokens.view(4, k, n)[1]
+    d_tok = proposal.token_ids.view(4, k, n)[1]
     real = d_tok[d_tok >= 0].view(k, -1)
     assert bool((real.sort(-1).values.diff(dim=-1) != 0).all())
     token, slot = rule.verify(pp, proposal, gen)
     hit = slot >= 0
-    assert bool((proposal.tokens.gather(-1, slot.clamp_min(0)[:, None])[:, 0] == token)[hit].all())
+    assert bool((proposal.token_ids.gather(-1, slot.clamp_min(0)[:, None])[:, 0] == token)[hit].all())
     for b in range(4):
         _chi2_check(token.view(4, k)[b], p[b])
     # i.i.d. rows: the Monte Carlo acceptance agrees with the closed form
@@ -92,14 +93,14 @@ def test_auto_mixed_batch_is_exact(distinct_rule: str, n: int) -> None:
 
 def test_auto_acceptance_branches() -> None:
     p, q = _mixed_pair()
-    gum = ResiSpecAutoRule(AutoPolicy(threshold=0.3, distinct_rule="gumbel"))
+    gum = auto_rule(AutoPolicy(threshold=0.3, distinct_rule="gumbel"))
     with pytest.raises(NotImplementedError):
         gum.acceptance(p, q, 2)
     iid_alpha = VERIFIERS["resispec"].acceptance(p, q, 2)
     torch.testing.assert_close(gum.surrogate_acceptance(p, q, 2), iid_alpha)
     flat = torch.tensor([0, 2])
     torch.testing.assert_close(gum.acceptance(p[flat], q[flat], 2), iid_alpha[flat])  # all i.i.d.: exact
-    wor = ResiSpecAutoRule(AutoPolicy(threshold=0.3, distinct_rule="resispec_wor"))
+    wor = auto_rule(AutoPolicy(threshold=0.3, distinct_rule="resispec_wor"))
     expect = torch.where(
         torch.tensor([False, True, False, True]), VERIFIERS["resispec_wor"].acceptance(p, q, 2), iid_alpha
     )
@@ -123,7 +124,7 @@ def test_auto_policy_table_and_json(tmp_path: Path) -> None:
     per_n.save(tmp_path / "per_n.json")
     per_n = AutoPolicy.load(tmp_path / "per_n.json")
     assert per_n.distinct_rule_for(4) == "rsd" and per_n.distinct_rule_for(2) == "gumbel"
-    rule = ResiSpecAutoRule(per_n)
+    rule = auto_rule(per_n)
     gen = torch.Generator().manual_seed(0)
     assert rule.propose(q, 4, gen).distinct_part.draw_probs is not None  # rsd's proposal
     assert rule.propose(q, 2, gen).distinct_part.draw_probs is None  # gumbel's
@@ -197,3 +198,29 @@ def test_resispec_wor_acceptance_is_differentiable() -> None:
     alpha = VERIFIERS["resispec_wor"].acceptance(p, torch.softmax(logits, -1), 2)
     alpha.sum().backward()
     assert torch.isfinite(logits.grad).all() and float(logits.grad.abs().sum()) > 0
+
+
+def test_two_policies_coexist_and_come_from_config(tmp_path: Path) -> None:
+    """Policies are data: two resispec_auto rules with different policies live side by side, the registered one
+    keeps the default, and `decode.auto_policy` may be a JSON path or inline values."""
+    AutoPolicy(threshold=0.9, distinct_rule="rsd").save(tmp_path / "policy.json")
+    from_file = build_rule("resispec_auto", str(tmp_path / "policy.json"))
+    inline = build_rule("resispec_auto", {"threshold": 0.1, "distinct_rule": "gumbel"})
+    assert isinstance(from_file, ResiSpecAutoRule) and isinstance(inline, ResiSpecAutoRule)
+    assert from_file is not inline and from_file.policy.threshold == 0.9 and inline.policy.threshold == 0.1
+    assert (
+        VERIFIERS["resispec_auto"].policy == AutoPolicy()
+        and build_rule("resispec_auto") is VERIFIERS["resispec_auto"]
+    )
+    q = torch.tensor([[0.5, 0.3, 0.2]])
+    assert from_file.branch_names(q, 2) == ["resispec"] and inline.branch_names(q, 2) == ["gumbel"]
+    # declared capabilities instead of NotImplementedError: gumbel has no closed form, resispec_wor up to n = 2
+    assert inline.closed_form_draws == 0 and inline.surrogate_draws is None
+    assert auto_rule(AutoPolicy(distinct_rule="resispec_wor")).closed_form_draws == 2
+    assert (
+        auto_rule(AutoPolicy(distinct_rule="resispec_wor", distinct_rules={2: "rsd"})).closed_form_draws == 1
+    )
+    with pytest.raises(ValueError, match="iid"):
+        ResiSpecAutoRule(
+            AutoPolicy(iid_rule="rrs"), iid=VERIFIERS["resispec"], distinct={"gumbel": VERIFIERS["gumbel"]}
+        )

@@ -1,4 +1,4 @@
-"""Micro model builders shared by the decoding tests, plus tests of the sampling transform."""
+"""Micro model builders shared by the decoding tests."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import copy
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-
-from resispec.decoding import process_logits
 
 
 def micro_llama(
@@ -55,19 +53,3 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def test_process_logits_greedy_is_one_hot_first_argmax():
-    logits = torch.tensor([[0.0, 2.0, 2.0, -1.0]])
-    assert process_logits(logits, temperature=0.0).tolist() == [[0.0, 1.0, 0.0, 0.0]]
-
-
-def test_process_logits_top_k_top_p():
-    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
-    top_k = process_logits(logits, temperature=1.0, top_k=2)
-    torch.testing.assert_close(top_k, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
-    # top_p = 0.7: 0.5 < 0.7 so the second token is needed; 0.75 >= 0.7 so the third is dropped
-    top_p = process_logits(logits, temperature=1.0, top_p=0.7)
-    torch.testing.assert_close(top_p, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
-    hot = process_logits(logits, temperature=0.5)
-    torch.testing.assert_close(hot, torch.softmax(logits * 2, -1))

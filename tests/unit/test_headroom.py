@@ -8,19 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from resispec.analysis.headroom import AUTO, calibrate_policy, markdown_table, plot, summarize, token_windows
 from resispec.verify import VERIFIERS, optimal_acceptance
 from resispec.verify.auto import AutoPolicy
-from resispec.verify.headroom import (
-    AUTO,
-    calibrate_policy,
-    markdown_table,
-    monte_carlo_alpha,
-    per_node_alpha,
-    plot,
-    summarize,
-    token_windows,
-    wor_prefix_bound,
-)
+from resispec.verify.bounds import wor_prefix_bound
+from resispec.verify.estimate import monte_carlo_alpha, per_node_alpha
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

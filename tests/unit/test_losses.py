@@ -12,12 +12,10 @@ from resispec.losses import (
     bucket_draft,
     check_loss_config,
     distill_loss,
-    filter_logits,
     fkl,
     jsd,
     paired_logprobs,
     position_weights,
-    process_logits,
     residual,
     residual_draws,
     residual_num_draws,
@@ -27,6 +25,7 @@ from resispec.losses import (
     sparse_with_tail,
     tvd,
 )
+from resispec.sampling import log_probs
 from resispec.training.config import LossConfig
 
 
@@ -104,7 +103,7 @@ def test_residual_rule_and_draws_come_from_decode():
     assert residual_rule(LossConfig(), decode) == "rrs" and residual_num_draws(LossConfig(), decode) == 3
     assert residual_rule(LossConfig(rule="kseq", num_draws=2), decode) == "kseq"
     assert residual_num_draws(LossConfig(num_draws=2), decode) == 2
-    assert residual_rule(LossConfig(), DecodeConfig(rule="resispec_auto")) == "resispec"
+    assert residual_rule(LossConfig(), DecodeConfig(rule="resispec_auto")) == "resispec_auto"
 
 
 def test_tree_draws_average_alpha_over_the_depths():
@@ -138,7 +137,7 @@ def test_sparse_with_all_tokens_equals_dense():
     """Top-K with K = V: the tail is empty and every loss equals the dense one."""
     t_logits, q_logits = _logits(seed=8), _logits(seed=9)
     decode = DecodeConfig(temperature=0.7, tree=[4])
-    top = torch.topk(process_logits(t_logits, 0.7), 11, dim=-1)
+    top = torch.topk(log_probs(t_logits, 0.7), 11, dim=-1)
     sparse = TargetSignal(top.values, top.indices)
     lp_d, lq_d = paired_logprobs(TargetSignal(t_logits), q_logits, decode, truncate=False)
     lp_s, lq_s = paired_logprobs(sparse, q_logits, decode, truncate=False)
@@ -159,17 +158,6 @@ def test_sparse_buckets_are_distributions_on_one_support():
     torch.testing.assert_close(lq[:, :5], q_logp.gather(-1, top.indices))
     # merging tokens can only increase the overlap: the bucketed tvd is a lower bound of the dense one
     assert (tvd(lp, lq) <= tvd(t_logp, q_logp) + 1e-6).all()
-
-
-def test_filters():
-    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
-    assert torch.isfinite(filter_logits(logits, top_k=2)).sum() == 2
-    probs = logits.softmax(-1)[0]  # .64 .24 .09 .03 .01
-    kept = torch.isfinite(filter_logits(logits, top_p=0.8)).sum().item()
-    assert kept == 2 and probs[:1].sum() < 0.8 <= probs[:2].sum()
-    # temperature 0 (greedy serving) trains at temperature 1
-    torch.testing.assert_close(process_logits(logits, 0.0), logits.log_softmax(-1))
-    torch.testing.assert_close(process_logits(logits, 0.5), (logits / 0.5).log_softmax(-1))
 
 
 def test_residual_sees_top_p_and_divergences_do_not():

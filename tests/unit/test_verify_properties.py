@@ -16,8 +16,8 @@ from resispec.verify import (
     solve_kseq_rho,
     solve_resispec_T,
 )
-from resispec.verify.base import SCHEMES
-from resispec.verify.profile import RatioProfile, sort_by_ratio
+from resispec.verify.base import SCHEMES, covers
+from resispec.verify.ratio import RatioProfile, sort_by_ratio
 
 NUM_EDGE = 10_000
 REDUCE_TO_CHAIN = [
@@ -44,11 +44,14 @@ def random_pairs(num: int, vocab: int, seed: int, dtype=torch.float64) -> tuple[
 
 
 def closed_form(name: str, p: torch.Tensor, q: torch.Tensor, n: int) -> torch.Tensor | None:
-    """The rule's closed-form acceptance at this n, or None where it has none (NotImplementedError)."""
-    try:
-        return VERIFIERS[name].acceptance(p, q, n)
-    except NotImplementedError:
-        return None
+    """The rule's closed-form acceptance at this n, or None where it declares none (closed_form_draws)."""
+    rule = VERIFIERS[name]
+    return rule.acceptance(p, q, n) if covers(rule.closed_form_draws, n) else None
+
+
+def one_hot_argmax(p: torch.Tensor) -> torch.Tensor:
+    """The temperature-0 target: one-hot at the first argmax of each row (what greedy_only rules are exact for)."""
+    return torch.zeros_like(p).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)
 
 
 def _edge_pairs() -> dict[str, tuple[list[float], list[float], int]]:
@@ -72,10 +75,12 @@ def test_edge_cases_exact(name, case):
     p_row, q_row, n = _edge_pairs()[case]
     rule = VERIFIERS[name]
     p = torch.tensor([p_row], dtype=torch.float64).expand(NUM_EDGE, -1).contiguous()
+    if rule.greedy_only:  # `greedy` is exact for temperature-0 (one-hot) targets only
+        p = one_hot_argmax(p)
     q = torch.tensor([q_row], dtype=torch.float64).expand(NUM_EDGE, -1).contiguous()
     gen = torch.Generator().manual_seed(5)
     proposal = rule.propose(q, n, gen)
-    tokens = proposal.tokens
+    tokens = proposal.token_ids
     assert tokens.shape == (NUM_EDGE, n)
     drawn = tokens[tokens >= 0]
     if rule.scheme != "deterministic" and name != "hub":  # sampled draws come from q's support
@@ -105,9 +110,9 @@ def test_edge_case_values():
         assert VERIFIERS[name].acceptance(p, q, 3).item() == pytest.approx(0.2, abs=1e-12)
     gen = torch.Generator().manual_seed(0)
     props = VERIFIERS["rsd"].propose(q.expand(8, -1), 3, gen)  # distinct draws stop at q's support
-    assert (props.tokens[:, 0] == 2).all() and (props.tokens[:, 1:] == -1).all()
+    assert (props.token_ids[:, 0] == 2).all() and (props.token_ids[:, 1:] == -1).all()
     chain = VERIFIERS["chain"].propose(p.expand(8, -1), 4, gen)  # chain: one draw, other slots empty
-    assert (chain.tokens[:, 1:] == -1).all() and (chain.tokens[:, 0] >= 0).all()
+    assert (chain.token_ids[:, 1:] == -1).all() and (chain.token_ids[:, 0] >= 0).all()
 
 
 def test_invalid_inputs_raise():
@@ -194,7 +199,7 @@ def test_resispec_exact_for_any_T():
     for t in (1.0, 1.7, float(n)):
         plan = shaped_plan(p, q, n, torch.full((num,), t, dtype=p.dtype), profile)
         token, slot = verify_sequential(
-            p, Proposal(tokens=torch.multinomial(q, n, True, generator=gen), q=q), plan, gen
+            p, Proposal(token_ids=torch.multinomial(q, n, True, generator=gen), q=q), plan, gen
         )
         hist = torch.bincount(token, minlength=p.shape[1]).double() / num
         bound = 0.5 * torch.sqrt(p1 * (1 - p1) / num).sum() + math.sqrt(math.log(1e6) / (2 * num))

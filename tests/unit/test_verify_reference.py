@@ -10,7 +10,7 @@ import torch
 
 from resispec.verify import VERIFIERS, optimal_acceptance, solve_kseq_rho, solve_resispec_T
 from resispec.verify.iid import _resispec_g
-from resispec.verify.profile import RatioProfile
+from resispec.verify.ratio import RatioProfile
 
 CASES_PATH = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "verify_cases.json"
 TOL = 1e-6

@@ -1,26 +1,25 @@
 """Headroom: per-node acceptance of every verification rule on a real (target, draft) pair, against the bounds.
 
-    python -m resispec.verify.headroom +recipe=debug                 # micro world, a minute
-    python -m resispec.verify.headroom +recipe=tiny --positions 200  # the tiny world (recipes/tiny/README.md)
+    python serve/headroom.py +recipe=debug                                  # micro world, a minute
+    python serve/headroom.py +recipe=tiny headroom.positions=200            # the tiny world (recipes/tiny/README.md)
 
-Positional arguments are Hydra overrides of the `bench` primary config (any recipe's target/draft pair); options
-start with `--`. Steps:
+Options are the `headroom` config group (conf/headroom/default.yaml, resispec/analysis/config.py); any recipe's
+target/draft pair can be measured. Steps:
 1. log the target and draft logits at held-out positions of the validation and test splits (stdlib text the
-   models never trained on; `--source` picks another split pair);
+   models never trained on; `headroom.calibration_split` / `headroom.eval_split` pick other splits);
 2. for every temperature and n: per-node α of every rule in VERIFIERS, by closed form where the rule has one and
-   by Monte Carlo (`--samples` runs per node, with standard errors) where it has none (rsd, gumbel, resispec_wor
-   with n > 2), plus the bounds α*_iid (exact) and α*_wor (n = 2: min over p/q-sorted prefixes, an upper bound
-   that matched exhaustive enumeration on every small case we tried; n > 2: the same prefixes with a rigorous
-   lower bound on P(all draws in H), so still an upper bound on α*_wor);
+   by Monte Carlo (`headroom.samples` runs per node, with standard errors) where it has none (rsd, gumbel,
+   resispec_wor with n > 2), plus the bounds α*_iid (exact) and α*_wor (resispec.verify.bounds.wor_prefix_bound:
+   n = 2: min over p/q-sorted prefixes, an upper bound that matched exhaustive enumeration on every small case we
+   tried; n > 2: the same prefixes with a rigorous lower bound on P(all draws in H), so still an upper bound);
 3. calibrate the resispec_auto policy (a max-q threshold per n and the distinct rule) on the validation split and
    report it on the test split, next to the per-node oracle max(resispec, distinct rule);
-4. write headroom.md (table), headroom.json (everything, incl. the policy: load it with AutoPolicy.load) and
-   headroom.png (α against temperature per rule) into `--out`.
+4. write headroom.md (table), headroom.json (everything, incl. the policy), auto_policy.json (serve it with
+   `decode.auto_policy=<path>`) and headroom.png (α against temperature per rule) into the output folder.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -30,12 +29,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from resispec.verify import VERIFIERS, optimal_acceptance
+from resispec.analysis.config import HeadroomConfig
+from resispec.models import load_pair, stdlib_splits
+from resispec.models.config import ModelConfig, WorldConfig
+from resispec.verify import VERIFIERS
 from resispec.verify.auto import AutoPolicy, confidence_feature
+from resispec.verify.estimate import per_node_alpha
 
 Tensor = torch.Tensor
-DEFAULT_TEMPERATURES = (1.0, 0.8, 0.6)
-DEFAULT_DRAWS = (2, 4)
 AUTO = "resispec_auto"
 DISTINCT_CANDIDATES = ("gumbel", "rsd", "resispec_wor")
 THRESHOLD_GRID = [0.0] + [round(0.05 * i, 2) for i in range(1, 20)] + [1.01]  # 1.01: never distinct
@@ -91,96 +92,6 @@ def node_pairs(target_logits: Tensor, draft_logits: Tensor, temperature: float) 
     p = torch.softmax(target_logits.double() / temperature, -1)
     q = torch.softmax(draft_logits.double() / temperature, -1)
     return p, q
-
-
-# ---------------------------------------------------------------------------------------------- bounds
-
-
-def wor_prefix_bound(p: Tensor, q: Tensor, n: int, grid_size: int = 400) -> Tensor:
-    """Upper bound on α*_wor [N]: min over prefixes H of the tokens sorted by increasing p/q of
-    p(H) + 1 - P(all n distinct draws lie in H). n = 2: P = q(H) Σ_H q/(1-q) - Σ_H q²/(1-q) exactly.
-    n > 2: P by exponential races (draws without replacement = order of arrival of clocks with rates q),
-        P(S ⊆ H) = ∫ P(at least n of H arrived by u) d(1 - exp(-q(H^c) u)),
-    bracketed from below on a log grid of u (the integrand increases in u), so the result stays an upper bound."""
-    w = torch.where(q > 0, p / q.clamp_min(1e-300), torch.full_like(p, float("inf")))
-    order = torch.argsort(w, dim=-1)
-    p_s, q_s = p.gather(-1, order).double(), q.gather(-1, order).double()  # [N, V]
-    p_h = torch.cumsum(p_s, -1)  # [N, V] p(H_k), k = 1..V
-    if n == 2:
-        q_h = torch.cumsum(q_s, -1)
-        a = torch.cumsum(q_s / (1 - q_s).clamp_min(1e-300), -1)
-        b = torch.cumsum(q_s**2 / (1 - q_s).clamp_min(1e-300), -1)
-        inside = (q_h * a - b).clamp(0, 1)
-    else:
-        u = torch.logspace(-3, 7, grid_size, dtype=torch.float64)  # [G]
-        state = torch.zeros(
-            p.shape[0], grid_size, n + 1, dtype=torch.float64
-        )  # P(count = j), j = n means >= n
-        state[..., 0] = 1.0
-        q_out = (1 - torch.cumsum(q_s, -1)).clamp_min(0)  # [N, V] q(H^c)
-        inside = torch.ones_like(p_s)  # [N, V]; H = support (q(H^c) = 0): always inside
-        for k in range(p.shape[1]):
-            arrived = -torch.expm1(-q_s[:, k, None] * u)  # [N, G]
-            moved = state[..., :n] * arrived[..., None]  # [N, G, n]
-            state = state.clone()
-            state[..., :n] -= moved
-            state[..., 1:] += moved
-            cdf = -torch.expm1(-q_out[:, k, None] * u)  # [N, G] law of the first arrival outside H
-            step = torch.diff(cdf, dim=-1, append=torch.ones_like(cdf[:, :1]))  # mass of [u_g, u_{g+1})
-            lower = (state[..., n] * step).sum(-1).clamp(0, 1)  # left end: the integrand increases in u
-            inside[:, k] = torch.where(q_out[:, k] > 0, lower, inside[:, k])
-    vals = p_h + 1 - inside
-    return torch.minimum(vals.min(-1).values, torch.ones_like(vals[:, 0]))
-
-
-# ---------------------------------------------------------------------------------------------- per-node alpha
-
-
-def monte_carlo_alpha(
-    rule, p: Tensor, q: Tensor, n: int, samples: int, generator: torch.Generator, chunk_rows: int = 1 << 21
-) -> tuple[Tensor, Tensor]:
-    """Per-node acceptance rate of rule.propose + rule.verify, and its standard error. p, q [N, V] -> [N], [N]."""
-    nodes_per_chunk = max(1, chunk_rows // (samples * p.shape[-1]))
-    rates = []
-    for start in range(0, p.shape[0], nodes_per_chunk):
-        pp = p[start : start + nodes_per_chunk].repeat_interleave(samples, 0)
-        qq = q[start : start + nodes_per_chunk].repeat_interleave(samples, 0)
-        _, slot = rule.verify(pp, rule.propose(qq, n, generator), generator)
-        rates.append((slot >= 0).double().view(-1, samples).mean(-1))
-    rate = torch.cat(rates)
-    return rate, (rate * (1 - rate) / samples).sqrt()
-
-
-def per_node_alpha(
-    p: Tensor,
-    q: Tensor,
-    n: int,
-    rules: list[str],
-    samples: int,
-    generator: torch.Generator,
-    bounds: bool = True,
-) -> dict[str, dict]:
-    """{rule: {"alpha": [N], "se": [N], "method": "closed form" | "monte carlo"}} plus the two bounds."""
-    out: dict[str, dict] = {}
-    for name in rules:
-        rule = VERIFIERS[name]
-        try:
-            alpha = rule.acceptance(p, q, n).double()
-            out[name] = {"alpha": alpha, "se": torch.zeros_like(alpha), "method": "closed form"}
-        except NotImplementedError:
-            alpha, se = monte_carlo_alpha(rule, p, q, n, samples, generator)
-            out[name] = {"alpha": alpha, "se": se, "method": "monte carlo"}
-    if not bounds:
-        return out
-    iid = optimal_acceptance(p, q, n, scheme="iid").double()
-    out["alpha*_iid"] = {"alpha": iid, "se": torch.zeros_like(iid), "method": "exact bound"}
-    wor = wor_prefix_bound(p, q, n)
-    out["alpha*_wor"] = {
-        "alpha": wor,
-        "se": torch.zeros_like(wor),
-        "method": "prefix bound (exact on enumerated cases)" if n == 2 else "prefix bound (upper)",
-    }
-    return out
 
 
 def auto_alpha(
@@ -318,51 +229,51 @@ def evaluate_split(
     return out
 
 
-def run(args: argparse.Namespace, overrides: list[str]) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    from resispec.config import register_configs, to_typed
-    from resispec.models import load_pair, stdlib_splits
-
-    torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    register_configs()
-    conf_dir = Path(args.conf_dir or Path(__file__).resolve().parents[2] / "conf")
-    with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base="1.3"):
-        cfg = to_typed(compose(config_name="bench", overrides=overrides))
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, cfg.world)
+def run(
+    cfg: HeadroomConfig,
+    target_cfg: ModelConfig,
+    draft_cfg: ModelConfig,
+    world: WorldConfig,
+    out_dir: str | Path,
+    command: str = "python serve/headroom.py",
+) -> dict:
+    """Steps 1-4 of the module docstring for the (target, draft) pair; writes the report into `out_dir`."""
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
     target.eval()
     draft.eval()
-    splits = stdlib_splits(cfg.world)
-    rules = [r for r in (args.rules or sorted(VERIFIERS)) if r != AUTO]
-    temperatures, draws = list(args.temperatures), list(args.draws)
+    splits = stdlib_splits(world)
+    rules = cfg.rules or [r for r in sorted(VERIFIERS) if r != AUTO and not VERIFIERS[r].greedy_only]
+    rules = [r for r in rules if r != AUTO]
+    temperatures, draws = list(cfg.temperatures), list(cfg.draws)
     logged = {}
     for split, num in (
-        (args.calibration_split, args.calibration_positions or args.positions),
-        (args.eval_split, args.positions),
+        (cfg.calibration_split, cfg.calibration_positions or cfg.positions),
+        (cfg.eval_split, cfg.positions),
     ):
         wins = token_windows(
-            tokenizer, splits[split], math.ceil(num / args.per_window), args.window, args.min_context
+            tokenizer, splits[split], math.ceil(num / cfg.per_window), cfg.window, cfg.min_context
         )
-        lt, ld = collect_logits(target, draft, wins, args.per_window, args.min_context, args.seed)
+        lt, ld = collect_logits(target, draft, wins, cfg.per_window, cfg.min_context, cfg.seed)
         logged[split] = (lt[:num], ld[:num])
-    candidates = [c for c in args.candidates if c in rules]
+    candidates = [c for c in cfg.candidates if c in rules]
     calib_rules = [r for r in rules if r == "resispec" or r in candidates]
     t0 = time.time()
     with tqdm(total=2 * len(temperatures) * len(draws), desc="alpha per rule") as bar:
         calib = evaluate_split(
-            *logged[args.calibration_split],
+            *logged[cfg.calibration_split],
             temperatures,
             draws,
             calib_rules,
-            args.samples,
-            args.seed,
+            cfg.samples,
+            cfg.seed,
             bar,
             False,
         )
         test = evaluate_split(
-            *logged[args.eval_split], temperatures, draws, rules, args.samples, args.seed + 1, bar
+            *logged[cfg.eval_split], temperatures, draws, rules, cfg.samples, cfg.seed + 1, bar
         )
     policy = calibrate_policy(calib, draws, candidates=tuple(candidates))
     summary, branch_share = {}, {}
@@ -384,20 +295,19 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         }
         summary[f"n={n},T={t}"] = summarize(per_node)
         branch_share[f"n={n},T={t}"] = float(mask.double().mean())
-    out_dir = Path(args.out)
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = "python -m resispec.verify.headroom " + " ".join(overrides + args.raw_options)
     table = markdown_table(summary, rules, temperatures, draws)
     report = {
         "command": command,
-        "world": cfg.world.name,
-        "target": cfg.target.path,
-        "draft": cfg.draft.path,
+        "world": world.name,
+        "target": target_cfg.path,
+        "draft": draft_cfg.path,
         "positions": {s: int(v[0].shape[0]) for s, v in logged.items()},
-        "vocab": int(logged[args.eval_split][0].shape[-1]),
-        "samples_per_node": args.samples,
-        "calibration_split": args.calibration_split,
-        "eval_split": args.eval_split,
+        "vocab": int(logged[cfg.eval_split][0].shape[-1]),
+        "samples_per_node": cfg.samples,
+        "calibration_split": cfg.calibration_split,
+        "eval_split": cfg.eval_split,
         "policy": asdict(policy),
         "distinct_share": branch_share,
         "summary": summary,
@@ -406,9 +316,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     (out_dir / "headroom.json").write_text(json.dumps(report, indent=2) + "\n")
     policy.save(out_dir / "auto_policy.json")
     header = (
-        f"Per-node acceptance α on the {args.eval_split} split ({report['positions'][args.eval_split]} positions, "
-        f"{cfg.world.name} world, V = {report['vocab']}); ± = Monte Carlo standard error of the mean "
-        f"({args.samples} runs per node). resispec_auto policy calibrated on {args.calibration_split}: "
+        f"Per-node acceptance α on the {cfg.eval_split} split ({report['positions'][cfg.eval_split]} positions, "
+        f"{world.name} world, V = {report['vocab']}); ± = Monte Carlo standard error of the mean "
+        f"({cfg.samples} runs per node). resispec_auto policy calibrated on {cfg.calibration_split}: "
         f"distinct rule per n {dict((n, policy.distinct_rule_for(n)) for n in draws)}, max-q thresholds {policy.thresholds}.\n\n"
         f"Command: `{command}`\n\n"
     )
@@ -417,47 +327,3 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     print(header + table)
     print(f"wrote {out_dir}/headroom.md, headroom.json, headroom.png, auto_policy.json")
     return report
-
-
-def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/bench.yaml, e.g. +recipe=debug")
-    ap.add_argument("--positions", type=int, default=120, help="held-out positions per split")
-    ap.add_argument("--calibration-positions", type=int, default=None, help="default: --positions")
-    ap.add_argument(
-        "--candidates",
-        nargs="+",
-        default=list(DISTINCT_CANDIDATES),
-        help="distinct rules auto may calibrate to",
-    )
-    ap.add_argument("--per-window", type=int, default=4, help="positions per text window")
-    ap.add_argument("--window", type=int, default=192, help="tokens per window")
-    ap.add_argument("--min-context", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=100, help="Monte Carlo runs per node")
-    ap.add_argument("--temperatures", type=float, nargs="+", default=list(DEFAULT_TEMPERATURES))
-    ap.add_argument("--draws", type=int, nargs="+", default=list(DEFAULT_DRAWS))
-    ap.add_argument("--rules", nargs="+", default=None, help="default: every rule in VERIFIERS")
-    ap.add_argument("--calibration-split", default="validation")
-    ap.add_argument("--eval-split", default="test")
-    ap.add_argument("--out", default="outputs/headroom")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for these small ops)")
-    ap.add_argument("--conf-dir", default=None)
-    argv = list(argv) if argv is not None else None
-    args = ap.parse_args(argv)
-    import sys
-
-    raw = argv if argv is not None else sys.argv[1:]
-    args.raw_options = [a for a in raw if a not in args.overrides]
-    return args, args.overrides
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args, overrides = parse(argv)
-    return run(args, overrides)
-
-
-if __name__ == "__main__":
-    main()

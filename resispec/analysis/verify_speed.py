@@ -1,4 +1,4 @@
-"""Verification throughput per rule: `python -m resispec.verify.bench [--device cuda] [--vocab 32768 131072]`.
+"""Verification throughput per rule: `python -m resispec.analysis.verify_speed [--device cuda] [--vocab 32768 131072]`.
 
 Times propose + verify of B nodes (one fixed LM-like random pair per node) and prints nodes/s per rule and
 the time relative to rrs in the same run. Defaults: V in {32k, 128k}, n in {2, 4, 8}, B = 64, cuda if present.

@@ -1,4 +1,4 @@
-"""Compare finished distillation runs:  python -m resispec.training.compare outputs/distill/tiny_*/latest
+"""Compare finished distillation runs:  python -m resispec.analysis.compare outputs/distill/tiny_*/latest
 
 Prints one markdown row per run: the loss, steps, held-out simulated tau per rule after training (the saved
 draft), and the draft's tau before training for reference.

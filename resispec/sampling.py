@@ -1,0 +1,68 @@
+"""THE sampling transform: temperature, top-k and top-p, applied identically to p (target) and q (draft).
+
+The decoder, the losses and the held-out evaluation that chooses checkpoints all call this module, so the
+distribution trained on is the one served (DESIGN.md: p and q "after the SAME temperature / top-k / top-p
+processing"). One filter, two views:
+
+- `probs(logits, temperature, top_k, top_p)`: probabilities for the decoder. Temperature 0 means greedy: one-hot
+  at the argmax (first index on ties, as HF greedy does), so every verification rule degenerates to exact greedy
+  matching.
+- `log_probs(logits, temperature, top_k, top_p)`: log-probabilities for losses and evaluation. Temperature 0 is
+  taken as 1 (`effective_temperature`): a greedy target has no distribution to match, and a temperature-1 match
+  is what makes the argmaxes agree.
+
+For temperature > 0, `probs(...) == log_probs(...).exp()` (tests/unit/test_sampling.py holds them to it).
+This module imports nothing from resispec (tests/unit/test_layers.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def nucleus_drop(sorted_probs: Tensor, top_p: float) -> Tensor:
+    """The top-p drop rule on probabilities sorted in decreasing order [..., S] -> bool [..., S]: drop a token when
+    the mass strictly before it already reaches top_p (so for top_p > 0 the first token always stays)."""
+    return (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Top-k then top-p filtering of logits [N, V] (already temperature-scaled); filtered entries become -inf.
+    Top-k keeps every logit tied with the k-th largest."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [N, V]
+        drop_sorted = nucleus_drop(sorted_logits.softmax(-1), top_p)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature losses and evaluation use: the decode temperature, or 1 for greedy (0)."""
+    return temperature if temperature > 0 else 1.0
+
+
+def probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Logits [N, V] -> float32 probabilities [N, V] under the sampling settings; one-hot at the argmax for
+    temperature 0 (the decoder's view)."""
+    if temperature <= 0.0:
+        out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return filter_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)
+
+
+def log_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Logits [N, V] -> float32 log-probabilities [N, V] under the sampling settings, temperature 0 taken as 1
+    (the losses' and evaluation's view)."""
+    logits = logits.float() / effective_temperature(temperature)
+    return filter_logits(logits, top_k, top_p).log_softmax(dim=-1)
+
+
+def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row [N] from probabilities [N, V]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
