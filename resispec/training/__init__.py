@@ -6,7 +6,9 @@ free of import cycles (resispec.losses imports resispec.training.config).
 
 __all__ = [
     "USER_ERRORS",
+    "JOB_SECTIONS",
     "DistillConfigError",
+    "DistillJob",
     "DistillResult",
     "EmptyDatasetError",
     "distill",

@@ -36,20 +36,20 @@ def run(pair_dir: Path, out: Path, max_steps: int = 8, resume: bool = False, sav
     from resispec.data.config import DataConfig
     from resispec.decoding.config import DecodeConfig
     from resispec.models.config import ModelConfig, WorldConfig
-    from resispec.training import distill
+    from resispec.training import DistillJob, distill
     from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig, WandbConfig
 
     target, draft = save_pair(pair_dir)
     rows = (sample_rows(target, 16, seed=0), sample_rows(target, 4, seed=1))
-    return distill(
-        WorldConfig(),
-        ModelConfig(path=str(target), device="cpu"),
-        ModelConfig(path=str(draft), device="cpu"),
-        DataConfig(seq_len=32),
-        DecodeConfig(tree=[2, 1]),
-        LossConfig(),
-        OptimConfig(lr=3e-3, warmup_steps=2),
-        TrainConfig(
+    job = DistillJob(
+        world=WorldConfig(),
+        target=ModelConfig(path=str(target), device="cpu"),
+        draft=ModelConfig(path=str(draft), device="cpu"),
+        data=DataConfig(seq_len=32),
+        decode=DecodeConfig(tree=[2, 1]),
+        loss=LossConfig(),
+        optim=OptimConfig(lr=3e-3, warmup_steps=2),
+        train=TrainConfig(
             num_threads=1,
             max_steps=max_steps,
             batch_size=2,
@@ -59,11 +59,12 @@ def run(pair_dir: Path, out: Path, max_steps: int = 8, resume: bool = False, sav
             eval_positions=30,
             resume=resume,
         ),
-        LoggerConfig(wandb=WandbConfig(mode="disabled"), log_every=1),
+        logger=LoggerConfig(wandb=WandbConfig(mode="disabled"), log_every=1),
         output_dir=out,
         name="resume",
         rows=rows,
     )
+    return distill(job)
 
 
 def _launch(
