@@ -29,6 +29,7 @@ from resispec.losses import check_loss_config, describe_loss, distill_loss
 from resispec.models.config import ModelConfig, WorldConfig
 from resispec.training import checkpoint as ckpt
 from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig
+from resispec.training.distributed import LaunchError, local_param_numel, make_accelerator
 from resispec.training.evaluation import closed_form_rules, eval_rule, evaluate, select_positions
 from resispec.training.signal import attach_cache, build_cache, cache_key, cached_signal, online_signal
 from resispec.training.tracking import RunLogger
@@ -43,7 +44,7 @@ class DistillConfigError(ValueError):
 
 
 # errors the entry script reports as one line (the user's to fix, not bugs); models adds its own two
-USER_ERRORS: tuple[type[Exception], ...] = (EmptyDatasetError, DistillConfigError)
+USER_ERRORS: tuple[type[Exception], ...] = (EmptyDatasetError, DistillConfigError, LaunchError)
 
 # the typed config sections a job holds, in the order of the root config (and of config.yaml)
 JOB_SECTIONS = ("world", "target", "draft", "data", "decode", "loss", "optim", "train", "logger")
@@ -85,6 +86,8 @@ class DistillResult:
     steps: int = 0
     num_processes: int = 1
     is_main: bool = True  # False on the other processes of a multi-process run (they print nothing)
+    distributed_type: str = "NO"  # accelerate's: NO, MULTI_CPU / MULTI_GPU (DDP), FSDP, DEEPSPEED
+    param_numel: tuple[int, int] = (0, 0)  # (draft parameter elements this process holds, the draft's total)
 
 
 @dataclass
@@ -133,6 +136,7 @@ class _Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     state: TrainerState
     log: RunLogger
+    param_numel: tuple[int, int]  # (held by this process, total): a shard under FSDP
 
     @property
     def ckpt_root(self) -> Path:
@@ -216,7 +220,7 @@ def _setup(job: DistillJob) -> _Run:
     if job.train.target_signal == "cached":
         packed = _attach_target_cache(accelerator, job, target, packed)
 
-    draft, optimizer, scheduler = _prepare_draft(accelerator, job, draft)
+    draft, optimizer, scheduler, param_numel = _prepare_draft(accelerator, job, draft)
     state = TrainerState()
     accelerator.register_for_checkpointing(scheduler, state)
     steps_done = ckpt.checkpoint_steps(run_dir / "checkpoints")
@@ -242,6 +246,7 @@ def _setup(job: DistillJob) -> _Run:
         scheduler,
         state,
         log,
+        param_numel,
     )
     if state.before is None:
         state.before = _evaluate(run)
@@ -268,14 +273,8 @@ def _check_job(job: DistillJob) -> None:
 
 
 def _make_accelerator(job: DistillJob):
-    from accelerate import Accelerator
-
     on_cpu = job.target.device == "cpu" or not torch.cuda.is_available()
-    return Accelerator(
-        cpu=on_cpu,
-        mixed_precision=job.train.mixed_precision,
-        gradient_accumulation_steps=max(1, job.train.grad_accum),
-    )
+    return make_accelerator(on_cpu, job.train.mixed_precision, max(1, job.train.grad_accum))
 
 
 def _resolve_run_dir(accelerator, job: DistillJob) -> Path:
@@ -338,7 +337,8 @@ def _attach_target_cache(accelerator, job: DistillJob, target, packed):
 
 
 def _prepare_draft(accelerator, job: DistillJob, draft):
-    """(prepared draft, optimizer, scheduler): LoRA-wrapped or float32 master weights, AdamW, the schedule."""
+    """(prepared draft, optimizer, scheduler, (parameter elements held here, total)): LoRA-wrapped or float32
+    master weights, AdamW, the schedule."""
     if job.draft.adapter == "lora":
         draft = _lora_wrap(draft, job.draft)  # peft keeps the adapter weights in float32
     elif draft.dtype in (torch.bfloat16, torch.float16):
@@ -353,8 +353,9 @@ def _prepare_draft(accelerator, job: DistillJob, draft):
     )
     # not prepared: accelerate would step a prepared scheduler once per process
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, job.train.max_steps))
+    total = sum(p.numel() for p in draft.parameters())
     draft, optimizer = accelerator.prepare(draft, optimizer)
-    return draft, optimizer, scheduler
+    return draft, optimizer, scheduler, (local_param_numel(draft), total)
 
 
 # ---- 2. one training step
@@ -464,6 +465,7 @@ def _export(run: _Run) -> DistillResult:
         "loss": describe_loss(run.job.loss, run.job.decode),
         "losses": state.losses,
         "num_processes": acc.num_processes,
+        "distributed_type": acc.distributed_type.value,
         "tokens": state.tokens,
     }
     if run.is_main:
@@ -480,6 +482,8 @@ def _export(run: _Run) -> DistillResult:
         steps=state.step,
         num_processes=acc.num_processes,
         is_main=run.is_main,
+        distributed_type=acc.distributed_type.value,
+        param_numel=run.param_numel,
     )
 
 
