@@ -29,7 +29,13 @@ from resispec.losses import check_loss_config, describe_loss, distill_loss
 from resispec.models.config import ModelConfig, WorldConfig
 from resispec.training import checkpoint as ckpt
 from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig
-from resispec.training.distributed import LaunchError, local_param_numel, make_accelerator
+from resispec.training.distributed import (
+    LaunchError,
+    is_fsdp,
+    local_param_numel,
+    make_accelerator,
+    materialize_optimizer_state,
+)
 from resispec.training.evaluation import closed_form_rules, eval_rule, evaluate, select_positions
 from resispec.training.signal import attach_cache, build_cache, cache_key, cached_signal, online_signal
 from resispec.training.tracking import RunLogger
@@ -226,6 +232,8 @@ def _setup(job: DistillJob) -> _Run:
     steps_done = ckpt.checkpoint_steps(run_dir / "checkpoints")
     if job.train.resume and steps_done:
         last = ckpt.step_dir(run_dir / "checkpoints", steps_done[-1])
+        if is_fsdp(accelerator):
+            materialize_optimizer_state(optimizer)  # else the sharded optimizer state loads into nothing
         accelerator.load_state(str(last))
         accelerator.print(f"resumed from step {state.step} ({last})")
 

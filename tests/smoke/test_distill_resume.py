@@ -25,13 +25,23 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[4])
 from tests.smoke.test_distill_resume import run
 result = run(Path(sys.argv[1]), Path(sys.argv[2]), **json.loads(sys.argv[3]))
+info = {"steps": result.steps, "num_processes": result.num_processes, "losses": result.metrics["losses"],
+        "distributed_type": result.distributed_type, "param_numel": result.param_numel, "is_main": result.is_main}
+print("RANK " + json.dumps(info), flush=True)
 if result.is_main:
-    print("RESULT " + json.dumps({"steps": result.steps, "num_processes": result.num_processes,
-                                  "losses": result.metrics["losses"]}))
+    print("RESULT " + json.dumps(info), flush=True)
 """
 
 
-def run(pair_dir: Path, out: Path, max_steps: int = 8, resume: bool = False, save_every: int = 3):
+def run(
+    pair_dir: Path,
+    out: Path,
+    max_steps: int = 8,
+    resume: bool = False,
+    save_every: int = 3,
+    batch_size: int = 2,
+    grad_accum: int = 1,
+):
     """The run every test in this file repeats: identical data, models and settings."""
     from resispec.data.config import DataConfig
     from resispec.decoding.config import DecodeConfig
@@ -52,7 +62,8 @@ def run(pair_dir: Path, out: Path, max_steps: int = 8, resume: bool = False, sav
         train=TrainConfig(
             num_threads=1,
             max_steps=max_steps,
-            batch_size=2,
+            batch_size=batch_size,
+            grad_accum=grad_accum,
             eval_every=4,
             save_every=save_every,
             keep_checkpoints=3,
