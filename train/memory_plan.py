@@ -12,6 +12,7 @@ config.json. See resispec/training/memory_plan.py for what each row counts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument("--accelerate_config", default=None, help="recipes/accelerate/<config>.yaml")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +recipe=llama3")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         c = to_typed(compose(config_name="distill", overrides=args.overrides))
@@ -47,7 +48,10 @@ def main(argv: list[str] | None = None) -> str:
     plan = plan_memory(
         target,
         draft,
-        sharding_from_accelerate_config(args.accelerate_config),
+        # the loop passes train.mixed_precision to its Accelerator, which wins over the config file's
+        dataclasses.replace(
+            sharding_from_accelerate_config(args.accelerate_config), mixed_precision=c.train.mixed_precision
+        ),
         target_dtype=c.target.dtype,
         draft_dtype=c.draft.dtype,
         lora=lora,
