@@ -20,14 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Runs distill on the micro pair in a fresh interpreter (argv: pair dir, output dir, json overrides).
 RUNNER = r"""
-import json, sys
+import json, os, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[4])
 from tests.smoke.test_distill_resume import run
 result = run(Path(sys.argv[1]), Path(sys.argv[2]), **json.loads(sys.argv[3]))
 info = {"steps": result.steps, "num_processes": result.num_processes, "losses": result.metrics["losses"],
         "distributed_type": result.distributed_type, "param_numel": result.param_numel, "is_main": result.is_main}
-print("RANK " + json.dumps(info), flush=True)
+Path(sys.argv[2] + ".rank" + os.environ.get("RANK", "0") + ".json").write_text(json.dumps(info))  # per process
 if result.is_main:
     print("RESULT " + json.dumps(info), flush=True)
 """
