@@ -165,61 +165,45 @@ def plan_memory(
     trainable = draft.lora_params if lora else draft.params
     weights = (draft.params * bd + draft.lora_params * 4) if lora else draft.params * 4
     b, t = batch_size, seq_len
-    shard_note = f"/ {p} (sharded)" if p > 1 else ""
-
-    plan = MemoryPlan(sharding)
     online = target_signal == "online"
-    plan.rows.append(
-        (
-            "target weights",
-            target.params * bt if online else 0,
-            f"{target.params / 1e9:.2f}B params in {target_dtype}, replicated (frozen, not wrapped)"
-            if online
-            else "cached top-K: the target is not in training memory",
-        )
-    )
-    plan.rows.append(
-        (
-            "draft weights",
-            0 if sharding.offload_params else split(weights, sharding.params),
-            f"{draft.params / 1e9:.3f}B params"
-            + (" (LoRA base frozen)" if lora else ", float32 master")
-            + (f" {shard_note}" if sharding.params else "")
-            + (" offloaded" if sharding.offload_params else ""),
-        )
-    )
-    plan.rows.append(
-        (
-            "gradients",
-            0 if sharding.offload_params else split(trainable * 4, sharding.grads),
-            f"{trainable / 1e6:.1f}M trainable x 4 B" + (f" {shard_note}" if sharding.grads else ""),
-        )
-    )
-    plan.rows.append(
-        (
-            "optimizer state",
-            0 if sharding.offload_optimizer else split(trainable * 8, sharding.optimizer),
-            "AdamW, 2 float32 moments"
-            + (f" {shard_note}" if sharding.optimizer else "")
-            + (" offloaded to CPU" if sharding.offload_optimizer else ""),
-        )
-    )
-    plan.rows.append(
-        (
-            "cached top-K batch",
-            0 if online else b * t * cached_top_k * 12,
-            f"K={cached_top_k}" if not online else "online target: none",
-        )
-    )
+    sharded = lambda on: f" / {p} (sharded)" if on and p > 1 else ""  # noqa: E731
     per_layer = b * t * (6 * draft.hidden + 2 * draft.kv_dim + 4 * draft.intermediate) * act
     draft_act = draft.layers * per_layer + b * t * draft.vocab * (act + 3 * 4)
     target_act = b * t * target.vocab * (bt + 4) + b * t * (4 * target.hidden + 3 * target.intermediate) * bt
-    plan.rows.append(
+
+    target_note = f"{target.params / 1e9:.2f}B params in {target_dtype}, replicated (frozen, not wrapped)"
+    draft_note = f"{draft.params / 1e9:.3f}B params" + (" (LoRA base frozen)" if lora else ", float32 master")
+    draft_note += sharded(sharding.params) + (" offloaded" if sharding.offload_params else "")
+    optim_note = "AdamW, 2 float32 moments" + sharded(sharding.optimizer)
+    optim_note += " offloaded to CPU" if sharding.offload_optimizer else ""
+    act_note = f"batch {b} x seq {t} per process; draft {draft.layers} layers + [B,T,V] loss tensors"
+    plan = MemoryPlan(sharding)
+    plan.rows = [
+        (
+            "target weights",
+            target.params * bt if online else 0,
+            target_note if online else "cached top-K: the target is not in training memory",
+        ),
+        ("draft weights", 0 if sharding.offload_params else split(weights, sharding.params), draft_note),
+        (
+            "gradients",
+            0 if sharding.offload_params else split(trainable * 4, sharding.grads),
+            f"{trainable / 1e6:.1f}M trainable x 4 B" + sharded(sharding.grads),
+        ),
+        (
+            "optimizer state",
+            0 if sharding.offload_optimizer else split(trainable * 8, sharding.optimizer),
+            optim_note,
+        ),
+        (
+            "cached top-K batch",
+            0 if online else b * t * cached_top_k * 12,
+            "online target: none" if online else f"K={cached_top_k}",
+        ),
         (
             "activations",
             draft_act + (target_act if online else 0),
-            f"batch {b} x seq {t} per process; draft {draft.layers} layers + [B,T,V] loss tensors"
-            + ("; target logits" if online else ""),
-        )
-    )
+            act_note + ("; target logits" if online else ""),
+        ),
+    ]
     return plan
