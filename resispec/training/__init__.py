@@ -11,6 +11,7 @@ __all__ = [
     "DistillJob",
     "DistillResult",
     "EmptyDatasetError",
+    "LaunchError",
     "distill",
     "format_metrics",
 ]
