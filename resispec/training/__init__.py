@@ -6,9 +6,12 @@ free of import cycles (resispec.losses imports resispec.training.config).
 
 __all__ = [
     "USER_ERRORS",
+    "JOB_SECTIONS",
     "DistillConfigError",
+    "DistillJob",
     "DistillResult",
     "EmptyDatasetError",
+    "LaunchError",
     "distill",
     "format_metrics",
 ]

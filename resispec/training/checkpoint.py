@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from resispec.training.distributed import full_state_dict
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 
@@ -74,7 +76,7 @@ def clean_temporaries(root: Path) -> None:
 def export_draft(accelerator, model, tokenizer, out_dir: Path, merge_lora: bool) -> Path:
     """Write the draft as a plain HF checkpoint (safetensors + tokenizer) at out_dir, atomically. A LoRA draft
     is merged into a copy of its base first, so the folder loads with AutoModelForCausalLM and no peft."""
-    state = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO-3 shards; on every process
+    state = full_state_dict(accelerator, model)  # gathers FSDP / ZeRO-3 shards; on every process
     if accelerator.is_main_process:
         tmp = out_dir.with_name(TMP_PREFIX + out_dir.name)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -96,7 +98,7 @@ def export_draft(accelerator, model, tokenizer, out_dir: Path, merge_lora: bool)
 
 def export_adapter(accelerator, model, out_dir: Path) -> Path:
     """Save a LoRA adapter (peft format) atomically; reload with PeftModel.from_pretrained(base, out_dir)."""
-    state = accelerator.get_state_dict(model)
+    state = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         tmp = out_dir.with_name(TMP_PREFIX + out_dir.name)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,18 +1,24 @@
-"""The accelerate distillation loop: `distill(...) -> DistillResult`.
+"""The accelerate distillation loop: `distill(job: DistillJob) -> DistillResult`.
 
 One function runs single-process, under `torchrun` / `accelerate launch` (DDP), and with the FSDP / DeepSpeed
 configs in recipes/accelerate. The data order is a pure function of (seed, step), and the model, optimizer,
 scheduler, RNG and trainer state (step, loss curve, best tau) are saved together, so `train.resume=true`
 reproduces the uninterrupted run's loss curve.
+
+Reading order: `distill` (the loop), then its four steps: `_setup(job) -> _Run`, `_train_step(run) -> StepStats`,
+`_evaluate_and_keep_best(run)`, `_export(run) -> DistillResult`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -24,6 +30,13 @@ from resispec.losses import check_loss_config, describe_loss, distill_loss
 from resispec.models.config import ModelConfig, WorldConfig
 from resispec.training import checkpoint as ckpt
 from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig
+from resispec.training.distributed import (
+    LaunchError,
+    is_fsdp,
+    local_param_numel,
+    make_accelerator,
+    materialize_optimizer_state,
+)
 from resispec.training.evaluation import closed_form_rules, eval_rule, evaluate, select_positions
 from resispec.training.signal import attach_cache, build_cache, cache_key, cached_signal, online_signal
 from resispec.training.tracking import RunLogger
@@ -38,7 +51,37 @@ class DistillConfigError(UserError, ValueError):
 
 
 # errors the entry script reports as one line (the user's to fix, not bugs); models adds its own two
-USER_ERRORS: tuple[type[Exception], ...] = (EmptyDatasetError, DistillConfigError)
+USER_ERRORS: tuple[type[Exception], ...] = (EmptyDatasetError, DistillConfigError, LaunchError)
+
+# the typed config sections a job holds, in the order of the root config (and of config.yaml)
+JOB_SECTIONS = ("world", "target", "draft", "data", "decode", "loss", "optim", "train", "logger")
+
+
+@dataclass(frozen=True)
+class DistillJob:
+    """Everything one distillation run needs: the nine typed config sections, where to write, and optionally the
+    data (skipping regeneration). Narrow on purpose: never the root config. From a root config `c`:
+    `DistillJob(**{k: getattr(c, k) for k in JOB_SECTIONS}, output_dir=..., name=c.name)`."""
+
+    world: WorldConfig
+    target: ModelConfig
+    draft: ModelConfig
+    data: DataConfig
+    decode: DecodeConfig
+    loss: LossConfig
+    optim: OptimConfig
+    train: TrainConfig
+    logger: LoggerConfig
+    output_dir: str | Path
+    name: str = "tiny"
+    resolved_config: dict | None = None  # written as config.yaml; None = the sections above
+    rows: tuple[Any, Any] | None = None  # (train, eval) datasets of prompt_ids / response_ids
+
+    def config_snapshot(self) -> dict:
+        """What config.yaml and the tracker record: the resolved Hydra config, or the typed sections."""
+        if self.resolved_config is not None:
+            return self.resolved_config
+        return {"name": self.name, **{k: dataclasses.asdict(getattr(self, k)) for k in JOB_SECTIONS}}
 
 
 @dataclass
@@ -50,6 +93,8 @@ class DistillResult:
     steps: int = 0
     num_processes: int = 1
     is_main: bool = True  # False on the other processes of a multi-process run (they print nothing)
+    distributed_type: str = "NO"  # accelerate's: NO, MULTI_CPU / MULTI_GPU (DDP), FSDP, DEEPSPEED
+    param_numel: tuple[int, int] = (0, 0)  # (draft parameter elements this process holds, the draft's total)
 
 
 @dataclass
@@ -69,6 +114,389 @@ class TrainerState:
     def load_state_dict(self, state: dict) -> None:
         for k, v in state.items():
             setattr(self, k, v)
+
+
+@dataclass
+class StepStats:
+    """One optimizer step, averaged over the processes."""
+
+    loss: float  # mean training loss
+    fkl: float  # forward KL of the last micro-batch (this process), for monitoring
+    tokens: int  # response tokens of the global batch
+
+
+@dataclass
+class _Run:
+    """The live state of one run, built by `_setup` and threaded through the steps."""
+
+    job: DistillJob
+    accelerator: Any  # accelerate.Accelerator
+    run_dir: Path
+    target: torch.nn.Module  # frozen, never prepared (not sharded)
+    draft: torch.nn.Module  # prepared: DDP / FSDP / DeepSpeed-wrapped
+    tokenizer: Any
+    packed: Any  # datasets.Dataset (torch format): input_ids, attention_mask, loss_mask [+ cached top-K]
+    eval_seqs: list
+    rules: list[str]  # rules with a closed form, simulated at every evaluation
+    pick_rule: str  # the rule whose tau picks the best checkpoint
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    state: TrainerState
+    log: RunLogger
+    param_numel: tuple[int, int]  # (held by this process, total): a shard under FSDP
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def lora(self) -> bool:
+        return self.job.draft.adapter == "lora"
+
+
+def distill(job: DistillJob) -> DistillResult:
+    """Distill (or LoRA-tune) the draft toward the target with the configured loss; evaluate held-out alpha /
+    tau before, during and after; keep the best checkpoint by simulated tau. See recipes/ for how to launch."""
+    threads = torch.get_num_threads()
+    if job.train.num_threads:  # micro models on a shared CPU: one thread avoids contention that costs 10-50x
+        torch.set_num_threads(job.train.num_threads)
+    try:
+        run = _setup(job)
+        train, every = job.train, job.logger.log_every
+        due = lambda n: (n and run.state.step % n == 0) or run.state.step == train.max_steps  # noqa: E731
+        bar = tqdm(
+            total=train.max_steps, initial=run.state.step, desc=f"distill {job.name}", disable=not run.is_main
+        )
+        t_last, tok_last = time.perf_counter(), 0
+        while run.state.step < train.max_steps:
+            stats = _train_step(run)
+            tok_last += stats.tokens
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats.loss:.4f}")
+            if due(every):
+                now = time.perf_counter()
+                run.log.log(
+                    {
+                        "train/loss": stats.loss,
+                        "train/fkl": stats.fkl,
+                        "train/lr": run.scheduler.get_last_lr()[0],
+                        "train/tokens_per_s": tok_last / max(now - t_last, 1e-9),
+                        "train/tokens": run.state.tokens,
+                    },
+                    run.state.step,
+                )
+                t_last, tok_last = now, 0
+            if due(train.eval_every):
+                _evaluate_and_keep_best(run)
+            if due(train.save_every):
+                ckpt.save_state(run.accelerator, run.ckpt_root, run.state.step, train.keep_checkpoints)
+        bar.close()
+        return _export(run)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- 1. setup
+
+
+def _setup(job: DistillJob) -> _Run:
+    """Accelerator, run folder (resume), models, data, target signal, draft + optimizer, resumed state, logger,
+    and the `before` evaluation."""
+    from accelerate.utils import set_seed
+
+    _check_job(job)
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # per-file save_state INFO lines drown the bar
+    accelerator = _make_accelerator(job)
+    set_seed(job.train.seed)
+    run_dir = _resolve_run_dir(accelerator, job)
+
+    target, draft, tok, train_ds, eval_ds = _load_inputs(
+        accelerator, job.world, job.target, job.draft, job.data, job.rows
+    )
+    packed, eval_seqs = _pack(job, train_ds, eval_ds, _pad_id(tok))
+    rules = closed_form_rules(sorted({int(n) for n in job.decode.tree}))
+    pick_rule = eval_rule(job.decode.rule)
+    if pick_rule not in rules:
+        raise DistillConfigError(
+            f"decode.rule {job.decode.rule!r} has no closed form to simulate tau; closed forms: {rules}"
+        )
+    if job.train.target_signal == "cached":
+        packed = _attach_target_cache(accelerator, job, target, packed)
+
+    draft, optimizer, scheduler, param_numel = _prepare_draft(accelerator, job, draft)
+    state = TrainerState()
+    accelerator.register_for_checkpointing(scheduler, state)
+    steps_done = ckpt.checkpoint_steps(run_dir / "checkpoints")
+    if job.train.resume and steps_done:
+        last = ckpt.step_dir(run_dir / "checkpoints", steps_done[-1])
+        if is_fsdp(accelerator):
+            materialize_optimizer_state(optimizer)  # else the sharded optimizer state loads into nothing
+        accelerator.load_state(str(last))
+        accelerator.print(f"resumed from step {state.step} ({last})")
+
+    snapshot = job.config_snapshot()
+    log = RunLogger(accelerator, job.logger, run_dir, job.name, snapshot, resume=job.train.resume)
+    run = _Run(
+        job,
+        accelerator,
+        run_dir,
+        target,
+        draft,
+        tok,
+        packed,
+        eval_seqs,
+        rules,
+        pick_rule,
+        optimizer,
+        scheduler,
+        state,
+        log,
+        param_numel,
+    )
+    if state.before is None:
+        state.before = _evaluate(run)
+        log.log_eval("before", state.before, 0)
+    if run.is_main:
+        import yaml
+
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(snapshot, sort_keys=False))
+    return run
+
+
+def _check_job(job: DistillJob) -> None:
+    """The settings that can be refused before any model loads."""
+    try:
+        check_loss_config(job.loss, job.decode)
+    except ValueError as e:
+        raise DistillConfigError(str(e)) from e
+    if job.train.target_signal not in ("online", "cached"):
+        raise DistillConfigError(
+            f"train.target_signal must be online or cached, got {job.train.target_signal!r}"
+        )
+    if job.draft.adapter not in ("none", "lora"):
+        raise DistillConfigError(f"draft.adapter must be none or lora, got {job.draft.adapter!r}")
+
+
+def _make_accelerator(job: DistillJob):
+    on_cpu = job.target.device == "cpu" or not torch.cuda.is_available()
+    return make_accelerator(on_cpu, job.train.mixed_precision, max(1, job.train.grad_accum))
+
+
+def _resolve_run_dir(accelerator, job: DistillJob) -> Path:
+    """The main process's output folder (Hydra's ${now} can differ by a second between processes), or with
+    train.resume the run folder holding the newest checkpoint; temporaries of a crashed write are removed."""
+    run_dir = Path(_broadcast_str(accelerator, str(job.output_dir)))
+    if job.train.resume:
+        found = ckpt.find_resume_dir(run_dir)
+        if found is None:
+            accelerator.print(
+                f"train.resume=true but no checkpoint under {run_dir} or its siblings: starting fresh"
+            )
+        else:
+            run_dir = found
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.clean_temporaries(run_dir / "checkpoints")
+        ckpt.clean_temporaries(run_dir)
+    accelerator.wait_for_everyone()
+    return run_dir
+
+
+def _pack(job: DistillJob, train_ds, eval_ds, pad_id: int):
+    """(packed training rows in torch format, held-out sequences); refuses data without response tokens."""
+    from resispec.data import pack
+
+    packed = pack(train_ds, job.data.seq_len, pad_id).with_format("torch")
+    if len(packed) == 0 or int(sum(int(r["loss_mask"].sum()) for r in packed)) == 0:
+        raise EmptyDatasetError(
+            "the training data has no response tokens (check data.source and regeneration)"
+        )
+    eval_seqs = select_positions(_to_rows(eval_ds), job.train.eval_positions)
+    if not eval_seqs:
+        raise EmptyDatasetError("the held-out data has no response tokens (check data.num_eval_prompts)")
+    return packed, eval_seqs
+
+
+def _attach_target_cache(accelerator, job: DistillJob, target, packed):
+    """The packed rows with the target's cached top-K log-probs: built once (main process), loaded by all."""
+    from resispec.data import data_cache_dir
+    from resispec.models import resolve_model_path
+
+    target_id = resolve_model_path(job.target.path, job.world)  # names the world build (its config hash)
+    key = cache_key(target_id, packed._fingerprint, job.train.cached_top_k, job.decode.temperature)
+    path = data_cache_dir(job.data, job.world) / "target_topk" / key
+    build = lambda show: build_cache(  # noqa: E731
+        target,
+        packed,
+        path,
+        job.train.cached_top_k,
+        job.decode.temperature,
+        job.train.batch_size,
+        accelerator.device,
+        show,
+    )
+    if accelerator.is_main_process:
+        build(True)
+    accelerator.wait_for_everyone()
+    return attach_cache(packed, build(False))
+
+
+def _prepare_draft(accelerator, job: DistillJob, draft):
+    """(prepared draft, optimizer, scheduler, (parameter elements held here, total)): LoRA-wrapped or float32
+    master weights, AdamW, the schedule."""
+    if job.draft.adapter == "lora":
+        draft = _lora_wrap(draft, job.draft)  # peft keeps the adapter weights in float32
+    elif draft.dtype in (torch.bfloat16, torch.float16):
+        # full training keeps float32 master weights (AdamW updates vanish in bf16); the forward still runs in
+        # train.mixed_precision, and the exported draft is float32 (load it with draft.dtype=bfloat16 to serve)
+        draft.float()
+    draft.train()
+    optim = job.optim
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+    )
+    # not prepared: accelerate would step a prepared scheduler once per process
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, job.train.max_steps))
+    total = sum(p.numel() for p in draft.parameters())
+    draft, optimizer = accelerator.prepare(draft, optimizer)
+    return draft, optimizer, scheduler, (local_param_numel(draft), total)
+
+
+# ---- 2. one training step
+
+
+def _train_step(run: _Run) -> StepStats:
+    """One optimizer step over grad_accum micro-batches of this process's share of the global batch."""
+    acc, job, state = run.accelerator, run.job, run.state
+    ga = max(1, job.train.grad_accum)
+    step_loss, step_tokens, fkl = 0.0, 0, 0.0
+    for a in range(ga):
+        idx = batch_indices(
+            state.step * ga + a,
+            job.train.batch_size,
+            acc.num_processes,
+            acc.process_index,
+            len(run.packed),
+            job.train.seed,
+        )
+        batch = {k: v.to(acc.device) for k, v in run.packed[idx].items()}
+        mask = batch["loss_mask"][:, 1:]  # [B, T-1]: logits at t predict token t + 1
+        # accumulate(): no gradient sync and no optimizer step until the last micro-batch (DDP, FSDP and
+        # DeepSpeed alike); backward() divides by grad_accum
+        with acc.accumulate(run.draft):
+            value, stats = _micro_batch_loss(run, batch, mask)
+            acc.backward(value)
+            if acc.sync_gradients and job.optim.grad_clip:
+                acc.clip_grad_norm_(run.draft.parameters(), job.optim.grad_clip)
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        step_loss += value.detach().float().item() / ga
+        step_tokens += int(mask.sum())
+        fkl = stats["fkl"]
+    run.scheduler.step()
+    state.step += 1
+    ckpt.crash_hook("step", state.step)
+    mean_loss = acc.reduce(torch.tensor([step_loss], device=acc.device), "mean").item()
+    tokens = int(acc.reduce(torch.tensor([step_tokens], device=acc.device), "sum").item())
+    state.losses.append(mean_loss)
+    state.tokens += tokens
+    return StepStats(loss=mean_loss, fkl=fkl, tokens=tokens)
+
+
+def _micro_batch_loss(run: _Run, batch: dict[str, torch.Tensor], mask: torch.Tensor):
+    """(loss, stats) of one micro-batch: draft logits [B, T, V] against the online or cached target signal."""
+    logits = run.draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    sig = (
+        cached_signal(batch) if run.job.train.target_signal == "cached" else online_signal(run.target, batch)
+    )
+    sig.values = sig.values[:, :-1]  # drop the last position: it predicts past the sequence
+    sig.ids = None if sig.ids is None else sig.ids[:, :-1]
+    return distill_loss(logits[:, :-1], sig, mask, run.job.loss, run.job.decode)
+
+
+# ---- 3. evaluate and keep the best
+
+
+def _evaluate(run: _Run) -> dict:
+    # the wrapped draft: under FSDP / ZeRO-3 only it can run a forward; every process evaluates the same data
+    return evaluate(
+        run.target, run.draft, run.eval_seqs, run.job.decode, run.rules, show_progress=run.is_main
+    )
+
+
+def _evaluate_and_keep_best(run: _Run) -> None:
+    """Held-out alpha / tau now; if tau (of the picking rule) beats the best so far, export the draft as best/."""
+    metrics = _evaluate(run)
+    run.log.log_eval("eval", metrics, run.state.step)
+    tau = metrics["tau"][run.pick_rule]
+    if ckpt.sync_flag(run.accelerator, tau > run.state.best_tau):  # the main process decides for all
+        run.state.best_tau, run.state.best_step = tau, run.state.step
+        _export_best(run, metrics)
+
+
+def _export_best(run: _Run, metrics: dict) -> None:
+    """best/ (plain HF draft), best_adapter/ (LoRA) and best_metrics.json for the current weights."""
+    acc, run_dir = run.accelerator, run.run_dir
+    ckpt.export_draft(acc, run.draft, run.tokenizer, run_dir / "best", run.lora)
+    if run.lora:
+        ckpt.export_adapter(acc, run.draft, run_dir / "best_adapter")
+    if run.is_main:
+        ckpt.write_json_atomic(run_dir / "best_metrics.json", {"step": run.state.step, **metrics})
+
+
+# ---- 4. export
+
+
+def _export(run: _Run) -> DistillResult:
+    """draft/ (and adapter/) = the best by held-out simulated tau; metrics.json; the `latest` pointer."""
+    acc, run_dir, state = run.accelerator, run.run_dir, run.state
+    if not ckpt.sync_flag(acc, (run_dir / "best").is_dir()):  # no training step ran (max_steps=0)
+        _export_best(run, _evaluate(run))
+    acc.wait_for_everyone()
+    best_path = run_dir / "best_metrics.json"
+    best = json.loads(best_path.read_text()) if best_path.exists() else None
+    if run.is_main and (run_dir / "best").is_dir():
+        ckpt.copy_dir_atomic(run_dir / "best", run_dir / "draft")
+        if run.lora and (run_dir / "best_adapter").is_dir():
+            ckpt.copy_dir_atomic(run_dir / "best_adapter", run_dir / "adapter")
+    acc.wait_for_everyone()
+    metrics = {
+        "before": state.before,
+        "after": {k: v for k, v in best.items() if k != "step"} if best else None,
+        "best_step": state.best_step,
+        "steps": state.step,
+        "rule": run.pick_rule,
+        "loss": describe_loss(run.job.loss, run.job.decode),
+        "losses": state.losses,
+        "num_processes": acc.num_processes,
+        "distributed_type": acc.distributed_type.value,
+        "tokens": state.tokens,
+    }
+    if run.is_main:
+        ckpt.write_json_atomic(run_dir / "metrics.json", metrics)
+        ckpt.update_latest(run_dir)
+    run.log.summary(metrics)
+    run.log.finish()
+    acc.wait_for_everyone()
+    return DistillResult(
+        output_dir=run_dir,
+        draft_dir=run_dir / "draft",
+        metrics=metrics,
+        adapter_dir=run_dir / "adapter" if run.lora else None,
+        steps=state.step,
+        num_processes=acc.num_processes,
+        is_main=run.is_main,
+        distributed_type=acc.distributed_type.value,
+        param_numel=run.param_numel,
+    )
+
+
+# ---- helpers
 
 
 def lr_lambda(optim: OptimConfig, max_steps: int):
@@ -155,306 +583,6 @@ def _to_rows(ds) -> list[tuple[list[int], list[int]]]:
     return [(list(r["prompt_ids"]), list(r["response_ids"])) for r in ds]
 
 
-def distill(
-    world: WorldConfig,
-    target: ModelConfig,
-    draft: ModelConfig,
-    data: DataConfig,
-    decode: DecodeConfig,
-    loss: LossConfig,
-    optim: OptimConfig,
-    train: TrainConfig,
-    logger: LoggerConfig,
-    output_dir: str | Path,
-    name: str = "tiny",
-    resolved_config: dict | None = None,
-    rows=None,  # optional (train, eval) datasets of prompt_ids / response_ids (skips regeneration)
-) -> DistillResult:
-    """Distill (or LoRA-tune) the draft toward the target with the configured loss; evaluate held-out alpha /
-    tau before, during and after; keep the best checkpoint by simulated tau. See recipes/ for how to launch."""
-    threads = torch.get_num_threads()
-    if train.num_threads:  # micro models on a shared CPU: one thread avoids contention that costs 10-50x
-        torch.set_num_threads(train.num_threads)
-    try:
-        return _distill(
-            world,
-            target,
-            draft,
-            data,
-            decode,
-            loss,
-            optim,
-            train,
-            logger,
-            output_dir,
-            name,
-            resolved_config,
-            rows,
-        )
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _distill(
-    world, target, draft, data, decode, loss, optim, train, logger, output_dir, name, resolved_config, rows
-):
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    try:
-        check_loss_config(loss, decode)
-    except ValueError as e:
-        raise DistillConfigError(str(e)) from e
-    import logging
-
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # per-file save_state INFO lines drown the bar
-    on_cpu = target.device == "cpu" or not torch.cuda.is_available()
-    accelerator = Accelerator(
-        cpu=on_cpu,
-        mixed_precision=train.mixed_precision,
-        gradient_accumulation_steps=max(1, train.grad_accum),
-    )
-    is_main = accelerator.is_main_process
-    set_seed(train.seed)
-
-    # every process writes to the main one's folder (Hydra's ${now} can differ by a second between processes)
-    run_dir = Path(_broadcast_str(accelerator, str(output_dir)))
-    if train.resume:
-        found = ckpt.find_resume_dir(run_dir)
-        if found is None:
-            accelerator.print(
-                f"train.resume=true but no checkpoint under {run_dir} or its siblings: starting fresh"
-            )
-        else:
-            run_dir = found
-    ckpt_root = run_dir / "checkpoints"
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_temporaries(ckpt_root)
-        ckpt.clean_temporaries(run_dir)
-    accelerator.wait_for_everyone()
-
-    # ---- models and data
-    target_model, draft_model, tok, train_ds, eval_ds = _load_inputs(
-        accelerator, world, target, draft, data, rows
-    )
-    device = accelerator.device
-    pad_id = _pad_id(tok)
-    from resispec.data import pack
-
-    packed = pack(train_ds, data.seq_len, pad_id).with_format("torch")
-    if len(packed) == 0 or int(sum(int(r["loss_mask"].sum()) for r in packed)) == 0:
-        raise EmptyDatasetError(
-            "the training data has no response tokens (check data.source and regeneration)"
-        )
-    eval_seqs = select_positions(_to_rows(eval_ds), train.eval_positions)
-    if not eval_seqs:
-        raise EmptyDatasetError("the held-out data has no response tokens (check data.num_eval_prompts)")
-    rules = closed_form_rules(sorted({int(n) for n in decode.tree}))
-    pick_rule = eval_rule(decode.rule)
-    if pick_rule not in rules:
-        raise DistillConfigError(
-            f"decode.rule {decode.rule!r} has no closed form to simulate tau; closed forms: {rules}"
-        )
-
-    if train.target_signal == "cached":
-        from resispec.data import data_cache_dir
-        from resispec.models import resolve_model_path
-
-        # the resolved path names the world build (its config hash) for world:target
-        target_id = resolve_model_path(target.path, world)
-        key = cache_key(target_id, packed._fingerprint, train.cached_top_k, decode.temperature)
-        cache_path = data_cache_dir(data, world) / "target_topk" / key
-
-        def topk_cache(show_progress: bool):  # builds once (main process), then every process loads it
-            return build_cache(
-                target_model,
-                packed,
-                cache_path,
-                train.cached_top_k,
-                decode.temperature,
-                train.batch_size,
-                device,
-                show_progress,
-            )
-
-        if is_main:
-            topk_cache(True)
-        accelerator.wait_for_everyone()
-        packed = attach_cache(packed, topk_cache(False))
-    elif train.target_signal != "online":
-        raise DistillConfigError(f"train.target_signal must be online or cached, got {train.target_signal!r}")
-
-    if draft.adapter not in ("none", "lora"):
-        raise DistillConfigError(f"draft.adapter must be none or lora, got {draft.adapter!r}")
-    if draft.adapter == "lora":
-        draft_model = _lora_wrap(draft_model, draft)  # peft keeps the adapter weights in float32
-    elif draft_model.dtype in (torch.bfloat16, torch.float16):
-        # full training keeps float32 master weights (AdamW updates vanish in bf16); the forward still runs in
-        # train.mixed_precision, and the exported draft is float32 (load it with draft.dtype=bfloat16 to serve)
-        draft_model.float()
-    draft_model.train()
-    params = [p for p in draft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
-    )
-    # not prepared: accelerate would step a prepared scheduler once per process
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, train.max_steps))
-    draft_model, optimizer = accelerator.prepare(draft_model, optimizer)
-    state = TrainerState()
-    accelerator.register_for_checkpointing(scheduler, state)
-
-    steps_done = ckpt.checkpoint_steps(ckpt_root)
-    if train.resume and steps_done:
-        accelerator.load_state(str(ckpt.step_dir(ckpt_root, steps_done[-1])))
-        accelerator.print(f"resumed from step {state.step} ({ckpt.step_dir(ckpt_root, steps_done[-1])})")
-
-    if resolved_config is None:
-        resolved_config = {
-            "name": name,
-            **{
-                k: dataclasses.asdict(v)
-                for k, v in (
-                    ("world", world),
-                    ("target", target),
-                    ("draft", draft),
-                    ("data", data),
-                    ("decode", decode),
-                    ("loss", loss),
-                    ("optim", optim),
-                    ("train", train),
-                    ("logger", logger),
-                )
-            },
-        }
-    log = RunLogger(accelerator, logger, run_dir, name, resolved_config, resume=train.resume)
-    # the wrapped model: under FSDP / ZeRO-3 only it can run a forward; every process evaluates the same data
-    evaluate_now = lambda: evaluate(  # noqa: E731
-        target_model, draft_model, eval_seqs, decode, rules, show_progress=is_main
-    )
-    if state.before is None:
-        state.before = evaluate_now()
-        log.log_eval("before", state.before, 0)
-    _write_config(run_dir, resolved_config, is_main)
-
-    # ---- the loop
-    use_cache = train.target_signal == "cached"
-    num_rows, ga = len(packed), max(1, train.grad_accum)
-    bar = tqdm(total=train.max_steps, initial=state.step, desc=f"distill {name}", disable=not is_main)
-    t_last, tok_last = time.perf_counter(), 0
-    while state.step < train.max_steps:
-        step_loss, step_tokens = 0.0, 0
-        for a in range(ga):
-            idx = batch_indices(
-                state.step * ga + a,
-                train.batch_size,
-                accelerator.num_processes,
-                accelerator.process_index,
-                num_rows,
-                train.seed,
-            )
-            batch = {k: v.to(device) for k, v in packed[idx].items()}
-            # logits at t predict token t + 1: drop the last position, shift the mask
-            mask = batch["loss_mask"][:, 1:]  # [B, T-1]
-            # accumulate(): no gradient sync and no optimizer step until the last micro-batch (DDP, FSDP and
-            # DeepSpeed alike); backward() divides by grad_accum
-            with accelerator.accumulate(draft_model):
-                logits = draft_model(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                ).logits  # [B, T, V]
-                sig = cached_signal(batch) if use_cache else online_signal(target_model, batch)
-                sig.values = sig.values[:, :-1]
-                sig.ids = None if sig.ids is None else sig.ids[:, :-1]
-                value, stats = distill_loss(logits[:, :-1], sig, mask, loss, decode)
-                accelerator.backward(value)
-                if accelerator.sync_gradients and optim.grad_clip:
-                    accelerator.clip_grad_norm_(draft_model.parameters(), optim.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            step_loss += value.detach().float().item() / ga
-            step_tokens += int(mask.sum())
-        scheduler.step()
-        state.step += 1
-        ckpt.crash_hook("step", state.step)
-
-        mean_loss = accelerator.reduce(torch.tensor([step_loss], device=device), "mean").item()
-        tokens = int(accelerator.reduce(torch.tensor([step_tokens], device=device), "sum").item())
-        state.losses.append(mean_loss)
-        state.tokens += tokens
-        tok_last += tokens
-        bar.update(1)
-        bar.set_postfix(loss=f"{mean_loss:.4f}")
-        if state.step % logger.log_every == 0 or state.step == train.max_steps:
-            now = time.perf_counter()
-            log.log(
-                {
-                    "train/loss": mean_loss,
-                    "train/fkl": stats["fkl"],
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/tokens_per_s": tok_last / max(now - t_last, 1e-9),
-                    "train/tokens": state.tokens,
-                },
-                state.step,
-            )
-            t_last, tok_last = now, 0
-        if (train.eval_every and state.step % train.eval_every == 0) or state.step == train.max_steps:
-            metrics = evaluate_now()
-            log.log_eval("eval", metrics, state.step)
-            better = ckpt.sync_flag(accelerator, metrics["tau"][pick_rule] > state.best_tau)
-            if better:
-                state.best_tau, state.best_step = metrics["tau"][pick_rule], state.step
-                ckpt.export_draft(accelerator, draft_model, tok, run_dir / "best", draft.adapter == "lora")
-                if is_main:
-                    ckpt.write_json_atomic(run_dir / "best_metrics.json", {"step": state.step, **metrics})
-                if draft.adapter == "lora":
-                    ckpt.export_adapter(accelerator, draft_model, run_dir / "best_adapter")
-        if (train.save_every and state.step % train.save_every == 0) or state.step == train.max_steps:
-            ckpt.save_state(accelerator, ckpt_root, state.step, train.keep_checkpoints)
-    bar.close()
-
-    # ---- the outputs: draft/ = best by held-out simulated tau
-    if not ckpt.sync_flag(accelerator, (run_dir / "best").is_dir()):  # no training step ran (max_steps=0)
-        metrics_now = evaluate_now()
-        ckpt.export_draft(accelerator, draft_model, tok, run_dir / "best", draft.adapter == "lora")
-        if draft.adapter == "lora":
-            ckpt.export_adapter(accelerator, draft_model, run_dir / "best_adapter")
-        if is_main:
-            ckpt.write_json_atomic(run_dir / "best_metrics.json", {"step": state.step, **metrics_now})
-    accelerator.wait_for_everyone()
-    best_metrics = _read_json(run_dir / "best_metrics.json")
-    if is_main and (run_dir / "best").is_dir():
-        ckpt.copy_dir_atomic(run_dir / "best", run_dir / "draft")
-        if draft.adapter == "lora" and (run_dir / "best_adapter").is_dir():
-            ckpt.copy_dir_atomic(run_dir / "best_adapter", run_dir / "adapter")
-    accelerator.wait_for_everyone()
-    metrics = {
-        "before": state.before,
-        "after": {k: v for k, v in best_metrics.items() if k != "step"} if best_metrics else None,
-        "best_step": state.best_step,
-        "steps": state.step,
-        "rule": pick_rule,
-        "loss": describe_loss(loss, decode),
-        "losses": state.losses,
-        "num_processes": accelerator.num_processes,
-        "tokens": state.tokens,
-    }
-    if is_main:
-        ckpt.write_json_atomic(run_dir / "metrics.json", metrics)
-        ckpt.update_latest(run_dir)
-    log.summary(metrics)
-    log.finish()
-    accelerator.wait_for_everyone()
-    return DistillResult(
-        output_dir=run_dir,
-        draft_dir=run_dir / "draft",
-        metrics=metrics,
-        adapter_dir=run_dir / "adapter" if draft.adapter == "lora" else None,
-        steps=state.step,
-        num_processes=accelerator.num_processes,
-        is_main=is_main,
-    )
-
-
 def _broadcast_str(accelerator, value: str) -> str:
     if accelerator.num_processes == 1:
         return value
@@ -463,16 +591,3 @@ def _broadcast_str(accelerator, value: str) -> str:
     box = [value]
     broadcast_object_list(box, from_process=0)
     return box[0]
-
-
-def _read_json(path: Path) -> dict | None:
-    import json
-
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _write_config(run_dir: Path, resolved: dict | None, is_main: bool) -> None:
-    if is_main and resolved is not None:
-        import yaml
-
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))

@@ -16,7 +16,7 @@ import torch
 from resispec.data.config import DataConfig
 from resispec.decoding.config import DecodeConfig
 from resispec.models.config import ModelConfig, WorldConfig
-from resispec.training import EmptyDatasetError, distill
+from resispec.training import DistillJob, EmptyDatasetError, distill
 from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig, WandbConfig
 from tests.unit.test_training_helpers import VOCAB, make_micro_llama, make_tokenizer, sample_rows, save_pair
 
@@ -35,23 +35,24 @@ def run_distill(
     pair, out: Path, *, loss=None, train=None, draft=None, wandb="disabled", decode=None, rows=None
 ):
     target, draft_dir, default_rows = pair
-    return distill(
-        WorldConfig(),
-        ModelConfig(path=str(target), device="cpu"),
-        draft or ModelConfig(path=str(draft_dir), device="cpu"),
-        DataConfig(seq_len=32),
-        decode or DecodeConfig(tree=[2, 1]),
-        loss or LossConfig(),
-        OptimConfig(lr=3e-3, warmup_steps=2),
-        train
+    job = DistillJob(
+        world=WorldConfig(),
+        target=ModelConfig(path=str(target), device="cpu"),
+        draft=draft or ModelConfig(path=str(draft_dir), device="cpu"),
+        data=DataConfig(seq_len=32),
+        decode=decode or DecodeConfig(tree=[2, 1]),
+        loss=loss or LossConfig(),
+        optim=OptimConfig(lr=3e-3, warmup_steps=2),
+        train=train
         or TrainConfig(
             num_threads=1, max_steps=6, batch_size=4, eval_every=3, save_every=3, eval_positions=60
         ),
-        LoggerConfig(wandb=WandbConfig(mode=wandb), log_every=2),
+        logger=LoggerConfig(wandb=WandbConfig(mode=wandb), log_every=2),
         output_dir=out,
         name="smoke",
         rows=rows or default_rows,
     )
+    return distill(job)
 
 
 def test_distill_writes_a_plain_hf_draft_that_generate_accepts(pair, tmp_path):

@@ -16,7 +16,7 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 def test_debug_recipe_on_the_micro_world(micro_world, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from resispec.training import distill, format_metrics
+    from resispec.training import JOB_SECTIONS, DistillJob, distill, format_metrics
 
     world, _ = micro_world
     register_configs()
@@ -32,19 +32,8 @@ def test_debug_recipe_on_the_micro_world(micro_world, tmp_path):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         c = to_typed(compose(config_name="distill", overrides=overrides))
     assert c.world.name == "micro" and c.train.num_threads == 1
-    result = distill(
-        c.world,
-        c.target,
-        c.draft,
-        c.data,
-        c.decode,
-        c.loss,
-        c.optim,
-        c.train,
-        c.logger,
-        output_dir=c.train.output_dir,
-        name=c.name,
-    )
+    job = DistillJob(**{k: getattr(c, k) for k in JOB_SECTIONS}, output_dir=c.train.output_dir, name=c.name)
+    result = distill(job)
     metrics = json.loads((result.output_dir / "metrics.json").read_text())
     assert metrics["steps"] == 4 and metrics["rule"] == "resispec"
     assert metrics["before"]["num_positions"] == c.train.eval_positions  # 8 prompts x 32 tokens >= 128

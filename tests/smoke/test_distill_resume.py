@@ -20,50 +20,62 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Runs distill on the micro pair in a fresh interpreter (argv: pair dir, output dir, json overrides).
 RUNNER = r"""
-import json, sys
+import json, os, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[4])
 from tests.smoke.test_distill_resume import run
 result = run(Path(sys.argv[1]), Path(sys.argv[2]), **json.loads(sys.argv[3]))
+info = {"steps": result.steps, "num_processes": result.num_processes, "losses": result.metrics["losses"],
+        "distributed_type": result.distributed_type, "param_numel": result.param_numel, "is_main": result.is_main}
+Path(sys.argv[2] + ".rank" + os.environ.get("RANK", "0") + ".json").write_text(json.dumps(info))  # per process
 if result.is_main:
-    print("RESULT " + json.dumps({"steps": result.steps, "num_processes": result.num_processes,
-                                  "losses": result.metrics["losses"]}))
+    print("RESULT " + json.dumps(info), flush=True)
 """
 
 
-def run(pair_dir: Path, out: Path, max_steps: int = 8, resume: bool = False, save_every: int = 3):
+def run(
+    pair_dir: Path,
+    out: Path,
+    max_steps: int = 8,
+    resume: bool = False,
+    save_every: int = 3,
+    batch_size: int = 2,
+    grad_accum: int = 1,
+):
     """The run every test in this file repeats: identical data, models and settings."""
     from resispec.data.config import DataConfig
     from resispec.decoding.config import DecodeConfig
     from resispec.models.config import ModelConfig, WorldConfig
-    from resispec.training import distill
+    from resispec.training import DistillJob, distill
     from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig, WandbConfig
 
     target, draft = save_pair(pair_dir)
     rows = (sample_rows(target, 16, seed=0), sample_rows(target, 4, seed=1))
-    return distill(
-        WorldConfig(),
-        ModelConfig(path=str(target), device="cpu"),
-        ModelConfig(path=str(draft), device="cpu"),
-        DataConfig(seq_len=32),
-        DecodeConfig(tree=[2, 1]),
-        LossConfig(),
-        OptimConfig(lr=3e-3, warmup_steps=2),
-        TrainConfig(
+    job = DistillJob(
+        world=WorldConfig(),
+        target=ModelConfig(path=str(target), device="cpu"),
+        draft=ModelConfig(path=str(draft), device="cpu"),
+        data=DataConfig(seq_len=32),
+        decode=DecodeConfig(tree=[2, 1]),
+        loss=LossConfig(),
+        optim=OptimConfig(lr=3e-3, warmup_steps=2),
+        train=TrainConfig(
             num_threads=1,
             max_steps=max_steps,
-            batch_size=2,
+            batch_size=batch_size,
+            grad_accum=grad_accum,
             eval_every=4,
             save_every=save_every,
             keep_checkpoints=3,
             eval_positions=30,
             resume=resume,
         ),
-        LoggerConfig(wandb=WandbConfig(mode="disabled"), log_every=1),
+        logger=LoggerConfig(wandb=WandbConfig(mode="disabled"), log_every=1),
         output_dir=out,
         name="resume",
         rows=rows,
     )
+    return distill(job)
 
 
 def _launch(
