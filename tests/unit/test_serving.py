@@ -201,7 +201,7 @@ def test_errors_are_openai_shaped_and_server_keeps_serving(serve_fake):
         (h, {"model": "m", "prompt": "a" * 41}, 400),
         (h, {"model": "m", "prompt": "a", "max_tokens": 40}, 400),
         (h, {"model": "m", "prompt": "a", "stop": 5}, 400),
-        (h, {"model": "m", "prompt": "a", "echo": True}, 400),
+        (h, {"model": "m", "prompt": "a", "best_of": 2}, 400),
         (h, {"model": "m", "prompt": "a", "presence_penalty": 0.5}, 400),
         (h, {"model": "m", "prompt": "a", "logit_bias": {"3": 5}}, 400),
     ]
