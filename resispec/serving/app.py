@@ -54,6 +54,11 @@ API_KEY_ENV = "RESISPEC_API_KEY"
 # stays above float32's resolution in the top-p cut
 MIN_TOP_P = 1e-6
 RETRY_AFTER_S = "1"
+# A prompt longer than this many characters per context token is first tokenised on a prefix of that length: when
+# the prefix alone is over the context (plus a margin for the cut), the prompt is rejected without tokenising the rest
+# (a megabyte prompt costs milliseconds, not seconds of CPU).
+PREFIX_CHARS_PER_TOKEN = 16
+PREFIX_MARGIN_TOKENS = 64
 
 
 @dataclass
@@ -193,15 +198,36 @@ class _Server:
             echo=echo,
         )
 
+    def _check_length(self, text: str, param: str) -> None:
+        """Reject a text whose prefix alone is over the context (see PREFIX_CHARS_PER_TOKEN)."""
+        cut = PREFIX_CHARS_PER_TOKEN * self.max_model_len
+        if len(text) <= cut:
+            return
+        num = len(encode_text(self.tokenizer, text[:cut])) - PREFIX_MARGIN_TOKENS
+        if num > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has more than {num} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def _encode_text(self, text: str) -> list[int]:
         try:
+            self._check_length(text, "prompt")
             return encode_text(self.tokenizer, text)
+        except APIError:
+            raise
         except Exception as exc:  # the tokenizer refused the text
             raise APIError(400, f"The prompt could not be tokenised: {exc}", param="prompt") from exc
 
     def _encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
         try:
+            self._check_length("\n".join(text for _, text in messages), "messages")
             return encode_chat(self.tokenizer, messages)
+        except APIError:
+            raise
         except Exception as exc:  # e.g. a chat template that rejects the role order
             raise APIError(400, f"The messages could not be rendered: {exc}", param="messages") from exc
 

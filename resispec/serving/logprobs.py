@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
+from resispec.decoding.kv_cache import forward_logits
 from resispec.losses import process_logits as log_probs  # to become resispec.sampling.log_probs
 
 # what JSON gets for -inf (vLLM's floor)
@@ -60,7 +62,7 @@ class Scorer:
         self.model, self.num_top = model, num_top
         self.settings = dict(temperature=temperature, top_k=max(top_k, 0), top_p=top_p)
         self.device = next(model.parameters()).device
-        self.cache = None
+        self.cache = DynamicCache(config=model.config)
         logits = self._forward(prompt_ids, all_rows=echo)  # [L or 1, V]
         self.prompt: list[TokenLogprob] | None = None
         if echo:
@@ -70,18 +72,8 @@ class Scorer:
 
     @torch.inference_mode()
     def _forward(self, ids: Sequence[int], all_rows: bool = True) -> torch.Tensor:
-        from transformers import DynamicCache
-
-        if self.cache is None:
-            self.cache = DynamicCache()
-        out = self.model(
-            input_ids=torch.tensor([list(ids)], device=self.device),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=0 if all_rows else 1,
-        )
-        self.cache = out.past_key_values
-        return out.logits[0]  # [n, V]
+        ids_t = torch.tensor([list(ids)], device=self.device)  # [1, n]
+        return forward_logits(self.model, ids_t, self.cache, logits_to_keep=0 if all_rows else 1)[0]  # [n, V]
 
     def add(self, chunk: Sequence[int]) -> list[TokenLogprob]:
         """Entries of newly emitted tokens (in order; call with every chunk the request emits)."""

@@ -66,30 +66,33 @@ class ErrorResponse(BaseModel):
 
 def _bad_string(value: Any, path: str) -> str | None:
     """The path of the first string (key or value) in `value` that is not valid Unicode (a lone UTF-16
-    surrogate such as "\\ud800", which JSON can escape but no tokenizer can encode), else None."""
+    surrogate such as "\\ud800", which JSON can escape but no tokenizer can encode; "" for the top level), else
+    None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return path or "body"
+            return path
         return None
     if isinstance(value, dict):
         for k, v in value.items():
-            if _bad_string(k, path):
-                return path or "body"
-            if sub := _bad_string(v, f"{path}.{k}" if path else str(k)):
+            if _bad_string(k, path) is not None:
+                return path
+            if (sub := _bad_string(v, f"{path}.{k}" if path else str(k))) is not None:
                 return sub
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            if sub := _bad_string(v, f"{path}[{i}]"):
+            if (sub := _bad_string(v, f"{path}[{i}]")) is not None:
                 return sub
     return None
 
 
 class InvalidUnicode(ValueError):
-    def __init__(self, param: str) -> None:
-        super().__init__(f"{param}: the string is not valid Unicode (it contains a lone UTF-16 surrogate).")
-        self.param = param
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            f"{path or 'body'}: a string is not valid Unicode (it contains a lone UTF-16 surrogate)."
+        )
+        self.param = path or None
 
 
 class StreamOptions(BaseModel):
@@ -128,7 +131,7 @@ class SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        if bad := _bad_string(data, ""):
+        if (bad := _bad_string(data, "")) is not None:
             raise InvalidUnicode(bad)
         return data
 
