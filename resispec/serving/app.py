@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from resispec.decoding.config import DecodeConfig
 from resispec.decoding.sampling import GREEDY_BELOW_TEMPERATURE  # to become resispec.sampling
 from resispec.serving.config import ServerConfig
-from resispec.serving.logprobs import TokenText, chat_logprobs, completion_logprobs
+from resispec.serving.logprobs import TokenText, chat_logprobs, completion_logprobs, scoring_model
 from resispec.serving.metrics import ServerMetrics
 from resispec.serving.protocol import (
     UNSUPPORTED,
@@ -100,6 +100,7 @@ class _Server:
         self.worker = DecodeWorker(engine, max_queue=server.max_queue, metrics=self.metrics)
         self.vocab_size = len(tokenizer)
         self.token_text = TokenText(tokenizer)
+        self.can_score = scoring_model(engine) is not None
         eos = getattr(engine, "eos_token_id", None)
         eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = set(eos) if isinstance(eos, (list, tuple, set)) else {eos}
@@ -157,6 +158,8 @@ class _Server:
         echo: bool = False,
     ) -> SamplingParams:
         """The request's decode settings; context-length checks as vLLM does them."""
+        if logprobs is not None and not self.can_score:
+            raise APIError(400, "This engine cannot report log-probs.", param="logprobs")
         if num_prompt == 0:
             raise APIError(400, "The prompt is empty.", param="prompt")
         room = self.max_model_len - num_prompt

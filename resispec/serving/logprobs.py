@@ -98,11 +98,16 @@ class Scorer:
         return out
 
 
+def scoring_model(engine):
+    """The target model an engine scores with (`engine.decoder.target` or `engine.target`), or None."""
+    return getattr(getattr(engine, "decoder", None), "target", None) or getattr(engine, "target", None)
+
+
 def start_scoring(engine, prompt_ids: Sequence[int], params) -> Scorer | None:
     """The Scorer a request needs (`params.logprobs` set), else None. Runs the prompt through the target."""
     if getattr(params, "logprobs", None) is None:
         return None
-    model = getattr(getattr(engine, "decoder", None), "target", None) or getattr(engine, "target", None)
+    model = scoring_model(engine)
     if model is None:
         raise NotImplementedError(f"{type(engine).__name__} cannot score log-probs (it exposes no target)")
     return Scorer(
