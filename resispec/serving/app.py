@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from resispec.decoding.config import DecodeConfig
@@ -33,6 +33,9 @@ from resispec.serving.config import ServerConfig
 from resispec.serving.logprobs import TokenText, chat_logprobs, completion_logprobs, scoring_model
 from resispec.serving.metrics import ServerMetrics
 from resispec.serving.protocol import (
+    NEUTRAL_SCHEMAS,
+    SEED_MAX,
+    SEED_MIN,
     UNSUPPORTED,
     APIError,
     ChatCompletionRequest,
@@ -496,8 +499,49 @@ def _responses(*statuses: int, stream: bool = False) -> dict[int | str, dict]:
     return out
 
 
-def _openapi(app: FastAPI):
-    """The schema FastAPI builds, without its 422 (this server answers validation errors with 400)."""
+def _document_limits(schemas: dict, st: _Server) -> None:
+    """Write this server's own limits into the request schemas, so a client (or a schema-driven fuzzer) can read
+    what is accepted: the one model id, the neutral values of unsupported fields, stop-string bounds, exact
+    integer bounds (pydantic spells them as floats, and 2^63 - 1 does not survive that)."""
+    stop = {"type": "string", "maxLength": st.cfg.max_stop_length}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name]["properties"]
+        props["model"] = {"type": "string", "enum": [st.cfg.model_name], "title": "Model"}
+        props["seed"] = {
+            "anyOf": [{"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}, {"type": "null"}]
+        }
+        props["stop"] = {
+            "anyOf": [
+                stop,
+                {"type": "array", "items": stop, "maxItems": st.cfg.max_stop_strings},
+                {"type": "null"},
+            ]
+        }
+        for field_name, neutral in NEUTRAL_SCHEMAS.items():
+            if field_name in props:
+                props[field_name] = neutral
+        for field_schema in props.values():
+            for sub in field_schema.get("anyOf", [field_schema]):
+                for bound in ("minimum", "maximum"):
+                    if sub.get("type") == "integer" and isinstance(sub.get(bound), float):
+                        sub[bound] = int(sub[bound])
+    token_id = {"type": "integer", "minimum": 0, "maximum": st.vocab_size - 1}
+    schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"] = [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": token_id, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {
+            "type": "array",
+            "items": {"type": "array", "items": token_id, "minItems": 1},
+            "minItems": 1,
+            "maxItems": 1,
+        },
+    ]
+
+
+def _openapi(app: FastAPI, st: _Server):
+    """The schema FastAPI builds, without its 422 (this server answers validation errors with 400), with this
+    server's limits written in."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -507,8 +551,10 @@ def _openapi(app: FastAPI):
             for ops in schema.get("paths", {}).values():
                 for op in ops.values():
                     op.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                schemas.pop(name, None)
+            _document_limits(schemas, st)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -533,7 +579,7 @@ def create_app(
     app = FastAPI(title="resispec", version="0.1.0", lifespan=lifespan)
     app.state.server = st
     app.add_middleware(_Guard, max_body=st.cfg.max_body_bytes)
-    app.openapi = _openapi(app)
+    app.openapi = _openapi(app, st)
     # auth runs as a dependency, i.e. before the body is validated: no key -> 401 even for a bad body
     auth = [Depends(st.check_auth)]
     request_models = (CompletionRequest, ChatCompletionRequest)
@@ -572,7 +618,7 @@ def create_app(
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -142,6 +142,32 @@ class SamplingFields(BaseModel):
         return [s for s in stops if s]
 
 
+def _neutral(*schemas: dict) -> dict:
+    return {"anyOf": [*schemas, {"type": "null"}], "description": "Not supported: only the neutral value."}
+
+
+# The JSON schema /openapi.json gives each unsupported field: exactly the values that are accepted.
+NEUTRAL_SCHEMAS: dict[str, dict] = {
+    "n": {"type": "integer", "enum": [1], "default": 1, "description": "Only 1."},
+    "best_of": _neutral({"type": "integer", "enum": [1]}),
+    "suffix": _neutral({"type": "string", "enum": [""]}),
+    "presence_penalty": {"type": "number", "enum": [0], "default": 0, "description": "Only 0."},
+    "frequency_penalty": {"type": "number", "enum": [0], "default": 0, "description": "Only 0."},
+    "logit_bias": _neutral({"type": "object", "maxProperties": 0}),
+    "tools": _neutral({"type": "array", "maxItems": 0}),
+    "functions": _neutral({"type": "array", "maxItems": 0}),
+    "tool_choice": _neutral({"type": "string", "enum": ["none"]}),
+    "function_call": _neutral({"type": "string", "enum": ["none"]}),
+    "response_format": _neutral(
+        {
+            "type": "object",
+            "properties": {"type": {"type": "string", "enum": ["text"]}},
+            "required": ["type"],
+            "additionalProperties": False,
+        }
+    ),
+}
+
 # field -> (is the value neutral?, what to say). Checked by the app after validation, in this order.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "n": (lambda v: v == 1, "Only n=1 is supported."),
