@@ -18,6 +18,7 @@ if [ ! -x "$VENV/bin/st" ]; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q "schemathesis==4.32.5"
 fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's resispec, whatever is installed
 PY="${PYTHON:-python}"
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 LOG="$(mktemp -t resispec-fuzz-server.XXXXXX.log)"
