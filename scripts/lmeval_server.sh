@@ -37,14 +37,14 @@ done
 # the tokenizer lm-eval needs to send token ids: the served target's own folder
 TOKENIZER="$("$PY" - <<EOF
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-from resispec.models import ensure_world
-from resispec.models.config import WorldConfig
 
+from resispec.config import register_configs, to_typed
+from resispec.models import ensure_world
+
+register_configs()
 with initialize_config_dir(config_dir="$PWD/conf", version_base=None):
-    cfg = compose("serve", overrides=["+recipe=debug", *"${SERVER_ARGS:-}".split()])
-world = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(WorldConfig), cfg.world))
-print(ensure_world(world, progress=False).target_dir)
+    cfg = to_typed(compose("serve", overrides=["+recipe=debug", *"${SERVER_ARGS:-}".split()]))
+print(ensure_world(cfg.world, progress=False).target_dir)
 EOF
 )"
 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 timeout 900 "$VENV/bin/lm_eval" \

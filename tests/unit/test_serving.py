@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from resispec.serving.app import create_app
@@ -325,6 +326,25 @@ def test_logprobs_need_a_scoring_engine_and_echo_works_without(serve_fake):
         url + "/v1/completions", json={"model": "m", "prompt": "ab", "echo": True, "max_tokens": 0}
     )
     assert r.json()["choices"][0]["text"] == "ab" and r.json()["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 5e-324, 1e-300, 1e-38, 1e-6, 1e-5, 0.3, 2.0])
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-6, 0.5, 1.0])
+@pytest.mark.parametrize("top_k", [0, 1, 7, 2**31 - 1])
+def test_sampling_transform_is_finite_for_any_finite_settings(temperature, top_p, top_k):
+    """The guard where probabilities are built: no NaN, so no sampled id outside the vocabulary."""
+    from resispec.decoding.sampling import process_logits, sample_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen) * 30
+    logits[0] = 0.0  # all ties
+    logits[1, 3] = 1e4  # one dominant logit
+    probs = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(6))
+    ids = sample_tokens(probs, gen)
+    assert ((ids >= 0) & (ids < 50)).all()
+    if temperature < 1e-5 or top_p <= 1e-6 or top_k == 1:  # only a most likely token can come out
+        assert torch.equal(logits.gather(-1, ids[:, None])[:, 0], logits.max(-1).values)
 
 
 # ---------------------------------------------------------------- bench helpers
