@@ -20,7 +20,7 @@ if [ ! -x "$VENV/bin/lm_eval" ]; then
     echo "$SITE" >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_project.pth"
     # pinned to the project venv's versions: pip never upgrades (nor uninstalls) a package it sees there
     "$PY" -m pip freeze 2>/dev/null | grep "==" >"$VENV/constraints.txt" || true
-    "$VENV/bin/pip" install -q -c "$VENV/constraints.txt" "lm-eval==0.4.13"
+    "$VENV/bin/pip" install -q -c "$VENV/constraints.txt" "lm-eval[api]==0.4.13"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" # this checkout's resispec, whatever is installed
 LOG="$(mktemp -t resispec-lmeval-server.XXXXXX.log)"

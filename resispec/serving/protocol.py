@@ -87,6 +87,24 @@ def _bad_string(value: Any, path: str) -> str | None:
     return None
 
 
+# the request fields whose text the server uses (a lone surrogate in an ignored field is as harmless as the field)
+_TEXT_FIELDS = ("model", "prompt", "messages", "stop", "user", "suffix")
+
+
+def _bad_text(data: Any) -> str | None:
+    """`_bad_string` over the text fields of a request body (token-id prompts are skipped: no text, and a string
+    hidden among the ids fails validation anyway; walking two million ids would cost seconds)."""
+    if not isinstance(data, dict):
+        return None
+    for key in _TEXT_FIELDS:
+        value = data.get(key)
+        if key == "prompt" and isinstance(value, list) and value and not isinstance(value[0], str):
+            continue
+        if (bad := _bad_string(value, key)) is not None:
+            return bad
+    return None
+
+
 class InvalidUnicode(ValueError):
     def __init__(self, path: str) -> None:
         super().__init__(
@@ -131,7 +149,7 @@ class SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        if (bad := _bad_string(data, "")) is not None:
+        if (bad := _bad_text(data)) is not None:
             raise InvalidUnicode(bad)
         return data
 
