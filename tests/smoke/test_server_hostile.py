@@ -2,7 +2,7 @@
 OpenAI error body, and the next request on the SAME keep-alive connection succeeds; a large body does not stall a
 streaming client; the log-probs it reports are the target's, equal to plain autoregressive decoding's.
 
-Uses the server subprocess of test_server.py (its own instance, on the micro world)."""
+Uses the session's server subprocess on the micro world (tests/smoke/conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from resispec.serving.text import encode_text
-from tests.smoke.test_server import (  # noqa: F401  (pair, server: module-scoped fixtures, this module's own)
+from tests.smoke.test_server import (
     HEADERS,
     MODEL,
     PROMPTS,
@@ -23,8 +23,6 @@ from tests.smoke.test_server import (  # noqa: F401  (pair, server: module-scope
     _metric,
     _metrics,
     _sse,
-    pair,
-    server,
 )
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -34,7 +32,7 @@ BIG_INT = 2**64
 
 
 @pytest.fixture(scope="module")
-def conn(server):  # noqa: F811
+def conn(server):
     """ONE client for the whole module: one keep-alive connection that every case reuses."""
     with httpx.Client(base_url=server, headers=HEADERS, timeout=60) as c:
         yield c
@@ -259,7 +257,7 @@ def test_a_million_token_ids_are_answered_quickly(conn):
     _next_ok(conn)
 
 
-def test_auth_edge_cases(server, conn):  # noqa: F811
+def test_auth_edge_cases(server, conn):
     with httpx.Client(base_url=server, timeout=30) as c:
         for auth in ("Bearer kéy".encode(), b"Bearer \xff\xfe", b"Basic abc", b"Bearer"):
             r = c.post(C, json=OK, headers={"Authorization": auth})
@@ -308,7 +306,7 @@ def test_openapi_documents_what_is_sent(conn):
     assert "ErrorResponse" in doc["components"]["schemas"]
 
 
-def test_large_prompt_does_not_stall_a_stream(server, conn):  # noqa: F811
+def test_large_prompt_does_not_stall_a_stream(server, conn):
     """A 1.9 MB prompt (under the body limit) arrives while a small request streams: the stream's largest gap
     between events stays small, and the big request is answered (400, over the context) quickly."""
     big = {"model": MODEL, "prompt": "x = foo(bar) " * 150_000, "max_tokens": 2}
@@ -364,7 +362,7 @@ def _reference_logprobs(target, prompt_ids, new_ids, temperature=0.0, top_k=0, t
         dict(temperature=1.0, top_p=0.9, seed=9),
     ],
 )
-def test_logprobs_equal_plain_ar_decoding(conn, pair, settings):  # noqa: F811
+def test_logprobs_equal_plain_ar_decoding(conn, pair, settings):
     from resispec.decoding import SpeculativeDecoder
 
     target, draft, tok = pair
@@ -408,7 +406,7 @@ def test_logprobs_equal_plain_ar_decoding(conn, pair, settings):  # noqa: F811
         assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-5)
 
 
-def test_echo_scores_the_prompt(conn, pair):  # noqa: F811
+def test_echo_scores_the_prompt(conn, pair):
     """lm-eval's loglikelihood request: token ids, echo, max_tokens 0 or 1, logprobs 1, temperature 0."""
     target, _, tok = pair
     ids = encode_text(tok, PROMPTS[2])
