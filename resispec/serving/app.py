@@ -525,6 +525,8 @@ def _document_limits(schemas: dict, st: _Server) -> None:
                 for bound in ("minimum", "maximum"):
                     if sub.get("type") == "integer" and isinstance(sub.get(bound), float):
                         sub[bound] = int(sub[bound])
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    chat["max_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}  # 0 is for echo
     token_id = {"type": "integer", "minimum": 0, "maximum": st.vocab_size - 1}
     schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"] = [
         {"type": "string", "minLength": 1},

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 # seeds are signed 64-bit integers (as vLLM and torch take them)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -23,6 +23,17 @@ MAX_LOGPROBS = 20
 MAX_TOP_K = 2**31 - 1
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 3.0 as an integer; so do we. Anything else (true, "3", 3.5) stays for strict validation."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# an integer as JSON Schema means it: 3 or 3.0, never true or "3"
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 class APIError(Exception):
@@ -123,13 +134,13 @@ class SamplingFields(BaseModel):
 
     model_config = _STRICT
     model: str
-    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo (scoring the prompt)
+    max_tokens: Int | None = Field(default=None, ge=0)  # 0 only with echo (scoring the prompt)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)  # vLLM's extra field; 0 or -1 = off
+    top_k: Int | None = Field(default=None, ge=-1, le=MAX_TOP_K)  # vLLM's extra field; 0 or -1 = off
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    n: int = Field(default=1, ge=1)
+    seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    n: Int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extra field: generate max_tokens tokens even past EOS
@@ -212,9 +223,9 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int] | list[str] | list[list[Int]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: Any = None
 
 
@@ -239,9 +250,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
+    max_completion_tokens: Int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 def new_id(prefix: str) -> str:

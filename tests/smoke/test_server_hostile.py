@@ -96,7 +96,7 @@ HOSTILE = {
     "stream 1": (C, {**OK, "stream": 1}, 400, "stream"),
     "echo 'true'": (C, {**OK, "echo": "true"}, 400, "echo"),
     "logprobs true": (C, {**OK, "logprobs": True}, 400, "logprobs"),
-    "seed 1.0": (C, {**OK, "seed": 1.0}, 400, "seed"),
+    "seed 1.5": (C, {**OK, "seed": 1.5}, 400, "seed"),
     "prompt 3.5": (C, {**OK, "prompt": 3.5}, 400, "prompt"),
     "model 5": (C, {**OK, "model": 5}, 400, "model"),
     "chat logprobs 1": (CHAT, {"model": MODEL, "messages": MSG, "logprobs": 1}, 400, "logprobs"),
