@@ -34,9 +34,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
-    logprobs: int | None = (
-        None  # score emitted tokens with the target, with this many alternatives (logprobs.py)
-    )
+    logprobs: int | None = None  # score emitted tokens with the target, k alternatives each (logprobs.py)
     echo: bool = False  # with logprobs: score the prompt too
 
 
