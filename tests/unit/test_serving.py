@@ -296,6 +296,9 @@ def test_server_errors_never_take_the_next_request(serve_fake):
             r = c.post("/v1/completions", json={"model": "m", "prompt": "j"})
             assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
             assert c.post("/v1/completions", json=ok).status_code == 200
+        metrics = c.get("/metrics").text
+    assert 'resispec:request_errors_total{model_name="m"} 3.0' in metrics
+    assert 'finished_reason="abort"' not in metrics  # a failed request is not an abort
 
     # an exception outside the request handlers' own error handling
     async def boom(req):
