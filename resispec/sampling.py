@@ -21,11 +21,22 @@ import torch
 
 Tensor = torch.Tensor
 
+# Below this temperature the transform is greedy, as in vLLM (its _SAMPLING_EPS): 1/T would overflow the logits to
+# inf and the probabilities to NaN (a sampled id equal to the vocabulary size).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """Temperature 0, or any temperature below GREEDY_BELOW_TEMPERATURE, means greedy decoding."""
+    return temperature < GREEDY_BELOW_TEMPERATURE
+
 
 def nucleus_drop(sorted_probs: Tensor, top_p: float) -> Tensor:
     """The top-p drop rule on probabilities sorted in decreasing order [..., S] -> bool [..., S]: drop a token when
     the mass strictly before it already reaches top_p (so for top_p > 0 the first token always stays)."""
-    return (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    drop[..., 0] = False  # the most likely token stays even when top_p is below float32's resolution
+    return drop
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -43,14 +54,14 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
 
 
 def effective_temperature(temperature: float) -> float:
-    """The temperature losses and evaluation use: the decode temperature, or 1 for greedy (0)."""
-    return temperature if temperature > 0 else 1.0
+    """The temperature losses and evaluation use: the decode temperature, or 1 for greedy (0 or below the floor)."""
+    return 1.0 if is_greedy(temperature) else temperature
 
 
 def probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Logits [N, V] -> float32 probabilities [N, V] under the sampling settings; one-hot at the argmax for
-    temperature 0 (the decoder's view)."""
-    if temperature <= 0.0:
+    temperature 0 or below GREEDY_BELOW_TEMPERATURE (the decoder's view)."""
+    if is_greedy(temperature):
         out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return filter_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)

@@ -31,7 +31,7 @@ from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
 from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
 from resispec.decoding.vocab import check_tokenizers, resolve_vocab_size
-from resispec.sampling import probs, sample_tokens
+from resispec.sampling import is_greedy, probs, sample_tokens
 from resispec.verify.greedy import GreedyRule
 from resispec.verify.registry import VERIFIERS
 
@@ -237,7 +237,7 @@ class SpeculativeDecoder:
     def _ar_steps(self, prompt, settings, generator, stats, max_new_tokens) -> Iterator[list[int]]:
         cache = self._prefill_target(prompt, stats)
         pos, root = len(prompt) - 1, prompt[-1]
-        greedy = settings["temperature"] <= 0.0
+        greedy = is_greedy(settings["temperature"])
         while True:
             self._sync()
             t0 = time.perf_counter()
@@ -259,7 +259,7 @@ class SpeculativeDecoder:
     def _spec_steps(self, prompt, settings, generator, stats, max_new_tokens) -> Iterator[list[int]]:
         dev, rule, shape = self.device, self.rule, self.shape
         depth_max = len(shape)
-        greedy = settings["temperature"] <= 0.0
+        greedy = is_greedy(settings["temperature"])
         q_settings = settings
         if greedy and self.greedy_topk:
             # temperature 0: every exact rule reduces to "emit argmax p; accepted iff it is a child", so the best tree

@@ -28,7 +28,7 @@ from resispec.decoding.kv_cache import (
 )
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.tree import DraftTree
-from resispec.sampling import sample_tokens
+from resispec.sampling import is_greedy, sample_tokens
 
 
 @torch.inference_mode()
@@ -38,7 +38,7 @@ def lean_spec_steps(
     """Speculative steps of `dec` (a SpeculativeDecoder); yields each step's emitted run. See the module docstring."""
     dev, rule, shape = dec.device, dec.rule, dec.shape
     depth_max = len(shape)
-    greedy = settings["temperature"] <= 0.0 and dec.greedy_topk
+    greedy = is_greedy(settings["temperature"]) and dec.greedy_topk
     vocab = dec.vocab_size
     tcache = dec._prefill_target(prompt, stats)
     dcache = new_cache(dec.draft)

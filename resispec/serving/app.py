@@ -2,6 +2,11 @@
 
 `create_app(engine, tokenizer, server, decode, max_model_len)` wires an Engine (see worker.py) behind one
 decoding worker thread. Model loading lives in `resispec.serving.server`.
+
+Every client input gets a 2xx or a 4xx with an OpenAI error body, and the connection stays usable: request bodies
+over `server.max_body_bytes` get a 413 before they are read; prompts are tokenised off the event loop; anything
+that still fails before the response starts is a 500 with `Connection: close` (never a reset connection).
+A temperature below `GREEDY_BELOW_TEMPERATURE` (1e-5, vLLM's threshold) decodes greedily.
 """
 
 from __future__ import annotations
@@ -19,27 +24,44 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from resispec.decoding.config import DecodeConfig
+from resispec.sampling import GREEDY_BELOW_TEMPERATURE
 from resispec.serving.config import ServerConfig
+from resispec.serving.logprobs import TokenText, chat_logprobs, completion_logprobs, scoring_model
 from resispec.serving.metrics import ServerMetrics
 from resispec.serving.protocol import (
+    NEUTRAL_SCHEMAS,
+    SEED_MAX,
+    SEED_MIN,
+    UNSUPPORTED,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
+    InvalidUnicode,
     SamplingFields,
     error_body,
     new_id,
     now,
     usage,
 )
-from resispec.serving.text import TextAssembler, encode_chat, encode_text
+from resispec.serving.text import TextAssembler, decode_ids, encode_chat, encode_text
 from resispec.serving.worker import DecodeWorker, Engine, Job, QueueFullError, SamplingParams
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "RESISPEC_API_KEY"
+# top_p below this keeps only the most likely token, exactly like any smaller top_p (for vocabularies < 10^6), and
+# stays above float32's resolution in the top-p cut
+MIN_TOP_P = 1e-6
+RETRY_AFTER_S = "1"
+# A prompt longer than this many characters per context token is first tokenised on a prefix of that length: when
+# the prefix alone is over the context (plus a margin for the cut), the prompt is rejected without tokenising the rest
+# (a megabyte prompt costs milliseconds, not seconds of CPU).
+PREFIX_CHARS_PER_TOKEN = 16
+PREFIX_MARGIN_TOKENS = 64
 
 
 @dataclass
@@ -52,6 +74,21 @@ class _Result:
     chunks: list[str] = field(default_factory=list)
 
 
+def _key_bytes(key: str, encoding: str) -> bytes:
+    return key.encode(encoding, "surrogateescape" if encoding == "utf-8" else "replace")
+
+
+class _ErrorJSON(JSONResponse):
+    """Error bodies render ASCII-only: any message (even one quoting odd input) encodes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return _ErrorJSON(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
 class _Server:
     """Per-app state and the request flow shared by both endpoints."""
 
@@ -59,10 +96,14 @@ class _Server:
         self, engine: Engine, tokenizer, server: ServerConfig, decode: DecodeConfig, max_model_len: int
     ) -> None:
         self.tokenizer, self.cfg, self.decode, self.max_model_len = tokenizer, server, decode, max_model_len
-        self.api_key = server.api_key or os.environ.get(API_KEY_ENV) or None
+        key = server.api_key or os.environ.get(API_KEY_ENV) or None
+        # compared as bytes: a non-ASCII key works when the client sends its UTF-8 bytes
+        self.api_key = None if key is None else _key_bytes(key, "utf-8")
         self.metrics = ServerMetrics(server.model_name)
         self.worker = DecodeWorker(engine, max_queue=server.max_queue, metrics=self.metrics)
         self.vocab_size = len(tokenizer)
+        self.token_text = TokenText(tokenizer)
+        self.can_score = scoring_model(engine) is not None
         eos = getattr(engine, "eos_token_id", None)
         eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = set(eos) if isinstance(eos, (list, tuple, set)) else {eos}
@@ -72,9 +113,11 @@ class _Server:
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
+        header = request.headers.get("authorization", "")  # decoded as latin-1: any byte is one character
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            _key_bytes(token.strip(), "latin-1"), self.api_key
+        ):
             raise APIError(
                 401,
                 "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
@@ -82,60 +125,120 @@ class _Server:
                 code="invalid_api_key",
             )
 
-    def check_common(self, req: SamplingFields) -> None:
-        if req.model != self.cfg.model_name:
+    def check_model(self, model: str) -> None:
+        if model != self.cfg.model_name:
             raise APIError(
                 404,
-                f"The model `{req.model}` does not exist; this server serves `{self.cfg.model_name}`.",
+                f"The model `{model}` does not exist; this server serves `{self.cfg.model_name}`.",
                 param="model",
                 code="model_not_found",
             )
-        if req.n != 1:
-            raise APIError(400, "Only n=1 is supported.", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise APIError(
-                    400, f"{name} is not supported (the output follows the target exactly).", param=name
-                )
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported.", param="logit_bias")
 
-    def params(self, req: SamplingFields, max_tokens: int | None, num_prompt: int) -> SamplingParams:
+    def check_common(self, req: SamplingFields) -> None:
+        self.check_model(req.model)
+        for name, (neutral, message) in UNSUPPORTED.items():
+            if name in type(req).model_fields and not neutral(getattr(req, name)):
+                raise APIError(400, message, param=name)
+        stops = req.stop_list()
+        if len(stops) > self.cfg.max_stop_strings:
+            raise APIError(
+                400, f"At most {self.cfg.max_stop_strings} stop strings are supported.", param="stop"
+            )
+        if any(len(s) > self.cfg.max_stop_length for s in stops):
+            raise APIError(
+                400, f"Stop strings may have at most {self.cfg.max_stop_length} characters.", param="stop"
+            )
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
+
+    def params(
+        self,
+        req: SamplingFields,
+        max_tokens: int | None,
+        num_prompt: int,
+        max_tokens_param: str = "max_tokens",
+        logprobs: int | None = None,
+        echo: bool = False,
+    ) -> SamplingParams:
         """The request's decode settings; context-length checks as vLLM does them."""
+        if logprobs is not None and not self.can_score:
+            raise APIError(400, "This engine cannot report log-probs.", param="logprobs")
         if num_prompt == 0:
             raise APIError(400, "The prompt is empty.", param="prompt")
         room = self.max_model_len - num_prompt
-        if room <= 0:
+        if room <= 0 and not (echo and max_tokens == 0):
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your prompt has {num_prompt} tokens.",
-                param="prompt",
+                param="prompt" if max_tokens_param == "max_tokens" else "messages",
                 code="context_length_exceeded",
+            )
+        if max_tokens == 0 and not echo:
+            raise APIError(
+                400, f"{max_tokens_param} must be at least 1 (0 only with echo).", param=max_tokens_param
             )
         if max_tokens is None:
             max_tokens = min(self.cfg.max_tokens_default, room)
-        elif max_tokens > room:
+        elif max_tokens > max(room, 0):
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                 f"{max_tokens} for the completion).",
-                param="max_tokens",
+                param=max_tokens_param,
                 code="context_length_exceeded",
             )
         d = self.decode
+        temperature = d.temperature if req.temperature is None else req.temperature
+        top_k = d.top_k if req.top_k is None else req.top_k
         return SamplingParams(
             max_new_tokens=max_tokens,
-            temperature=d.temperature if req.temperature is None else req.temperature,
-            top_p=d.top_p if req.top_p is None else req.top_p,
-            top_k=d.top_k if req.top_k is None else req.top_k,
+            temperature=0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
+            top_p=max(d.top_p if req.top_p is None else req.top_p, MIN_TOP_P),
+            top_k=max(top_k, 0),  # -1 (vLLM's "off") = 0
             stop=req.stop_list(),
             seed=req.seed,
             ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            echo=echo,
         )
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+    def _check_length(self, text: str, param: str) -> None:
+        """Reject a text whose prefix alone is over the context (see PREFIX_CHARS_PER_TOKEN)."""
+        cut = PREFIX_CHARS_PER_TOKEN * self.max_model_len
+        if len(text) <= cut:
+            return
+        num = len(encode_text(self.tokenizer, text[:cut])) - PREFIX_MARGIN_TOKENS
+        if num > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has more than {num} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _encode_text(self, text: str) -> list[int]:
+        try:
+            self._check_length(text, "prompt")
+            return encode_text(self.tokenizer, text)
+        except APIError:
+            raise
+        except Exception as exc:  # the tokenizer refused the text
+            raise APIError(400, f"The prompt could not be tokenised: {exc}", param="prompt") from exc
+
+    def _encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
+        try:
+            self._check_length("\n".join(text for _, text in messages), "messages")
+            return encode_chat(self.tokenizer, messages)
+        except APIError:
+            raise
+        except Exception as exc:  # e.g. a chat template that rejects the role order
+            raise APIError(400, f"The messages could not be rendered: {exc}", param="messages") from exc
+
+    async def completion_prompt(self, req: CompletionRequest) -> tuple[list[int], str]:
+        """(prompt ids, prompt text for echo). Tokenisation runs in a thread: the event loop keeps serving."""
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -146,26 +249,36 @@ class _Server:
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return encode_text(self.tokenizer, prompt)
+            return await asyncio.to_thread(self._encode_text, prompt), prompt
         ids = list(prompt)
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise APIError(400, f"Prompt token ids must be in [0, {self.vocab_size}).", param="prompt")
-        return ids
+        return ids, decode_ids(self.tokenizer, ids) if req.echo else ""
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        return await asyncio.to_thread(self._encode_chat, [(m.role, m.text()) for m in req.messages])
 
     # ------------------------------------------------------------------ generation
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Job:
         try:
             return self.worker.submit(prompt_ids, params)
         except QueueFullError as exc:
-            raise APIError(503, str(exc), type="service_unavailable_error", code="queue_full") from exc
+            raise APIError(
+                503,
+                str(exc),
+                type="service_unavailable_error",
+                code="queue_full",
+                headers={"Retry-After": RETRY_AFTER_S},
+            ) from exc
 
-    async def run(self, job: Job, stop: list[str]) -> AsyncIterator[str]:
-        """Text deltas of one generation; records latency metrics. On exit (end, error, or the consumer going
-        away) the job is cancelled, which frees the worker within one decode step."""
+    async def run(self, job: Job, stop: list[str]) -> AsyncIterator[tuple[str, int]]:
+        """(text delta, tokens in the step) for each decode step, then ("", 0) with the held-back tail; records
+        metrics. On exit (end, error, or the consumer going away) the job is cancelled, which frees the worker
+        within one decode step."""
         m, name = self.metrics, self.cfg.model_name
         assembler = TextAssembler(self.tokenizer, stop)
         job.result = res = _Result()
-        last = None
+        last, failed = None, False
         try:
             async for chunk in job.chunks():
                 t = time.perf_counter()
@@ -175,35 +288,43 @@ class _Server:
                     m.observe_chunk(t - last, len(chunk))
                 last = t
                 res.num_tokens += len(chunk)
-                delta = assembler.add(chunk)
-                if delta:
-                    yield delta
+                yield assembler.add(chunk), len(chunk)
                 if assembler.stopped:
                     break
             if job.cancelled.is_set() and not assembler.stopped:
                 return  # cancelled from outside (client gone): an abort, no text owed
             tail = assembler.finish()
             if tail:
-                yield tail
+                yield tail, 0
             p = job.params
             on_eos = bool(assembler.ids) and not p.ignore_eos and assembler.ids[-1] in self.eos_ids
             at_limit = res.num_tokens >= p.max_new_tokens
             res.finish_reason = "stop" if assembler.stopped or on_eos or not at_limit else "length"
             res.text = assembler.text
+        except Exception:
+            failed = True
+            raise
         finally:
             job.cancel()
-            m.request_success.labels(name, res.finish_reason or "abort").inc()
+            if failed:
+                m.request_errors.labels(name).inc()
+            else:
+                m.request_success.labels(name, res.finish_reason or "abort").inc()
             m.prompt_tokens.labels(name).inc(len(job.prompt_ids))
             m.generation_tokens.labels(name).inc(res.num_tokens)
             m.e2e.labels(name).observe(time.perf_counter() - job.submitted)
 
     async def collect(self, request: Request, job: Job, stop: list[str]) -> _Result:
-        """Run a non-streamed generation; a client that disconnects meanwhile cancels it."""
+        """Run a non-streamed generation; a client that disconnects meanwhile cancels it. A generation error
+        is a 500 with an error body (the connection stays usable)."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
             async with aclosing(self.run(job, stop)) as deltas:
                 async for _ in deltas:
                     pass
+        except Exception as exc:
+            log.exception("generation failed")
+            raise APIError(500, f"Internal error: {exc}", type="internal_error") from exc
         finally:
             watcher.cancel()
         return job.result
@@ -219,6 +340,11 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _sse_error(exc: Exception) -> str:
+    log.exception("generation failed")
+    return _sse(error_body(f"Internal error: {exc}", type="internal_error"))
 
 
 class _CancellingStream(StreamingResponse):
@@ -240,6 +366,203 @@ class _CancellingStream(StreamingResponse):
             await self.body_iterator.aclose()  # runs the generator's cleanup now (metrics), not at GC time
 
 
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` when a chunked body passes the limit; FastAPI re-raises HTTP exceptions from body
+    parsing, so it reaches the HTTP error handler as a 413 that closes the connection (the rest is unread)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413, f"The request body is larger than {limit} bytes.", headers={"Connection": "close"}
+        )
+
+
+class _Guard:
+    """The outermost layer (pure ASGI). A body over `max_body` bytes gets a 413 at once (by Content-Length, or as
+    soon as a chunked body passes the limit); an exception that escapes before the response starts becomes a 500
+    with an error body and `Connection: close`, so the client's next request opens a fresh connection instead of
+    failing on a reset one."""
+
+    def __init__(self, app, max_body: int) -> None:
+        self.app, self.max_body = app, max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            await self._error(send, 413 if length.isdigit() else 400)
+            return
+        received, started = 0, False
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise _BodyTooLarge(self.max_body)
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except Exception as exc:
+            too_large = isinstance(exc, _BodyTooLarge)
+            if not too_large:
+                log.exception("request failed")
+            if started:
+                raise  # mid-response: the server closes the connection, the only honest end
+            await self._error(send, 413 if too_large else 500, exc)
+
+    async def _error(self, send, status: int, exc: Exception | None = None) -> None:
+        if status == 413:
+            err = APIError(
+                413, f"The request body is larger than {self.max_body} bytes.", code="body_too_large"
+            )
+        elif status == 400:
+            err = APIError(400, "Invalid Content-Length header.")
+        else:
+            err = APIError(500, f"Internal error: {exc}", type="internal_error")
+        body = _ErrorJSON(err.body()).body
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _param(loc: tuple, models: tuple[type, ...]) -> str | None:
+    """A pydantic error location -> an OpenAI `param` ("messages[0].role"), without pydantic's union tags
+    ("prompt.str", "stop.list[str]")."""
+    names = {name for model in models for name in _field_names(model)}
+    out = ""
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in names:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def _field_names(model: type) -> set[str]:
+    from pydantic import BaseModel
+
+    names: set[str] = set()
+    for name, f in getattr(model, "model_fields", {}).items():
+        names.add(name)
+        for arg in _type_args(f.annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                names |= _field_names(arg)
+    return names
+
+
+def _type_args(tp) -> list:
+    import typing
+
+    args = list(typing.get_args(tp))
+    return [tp] + [a for arg in args for a in _type_args(arg)]
+
+
+_ERROR_STATUSES = {
+    400: "Invalid request (OpenAI error body).",
+    401: "Missing or wrong API key.",
+    404: "Unknown model.",
+    413: "Request body too large.",
+    500: "Generation failed (OpenAI error body).",
+    503: "The request queue is full; retry after `Retry-After` seconds.",
+}
+
+
+def _responses(*statuses: int, stream: bool = False) -> dict[int | str, dict]:
+    """OpenAPI `responses` for a route: the error statuses it sends (each with the error body), and for the
+    generation endpoints the SSE stream."""
+    out: dict[int | str, dict] = {
+        s: {"model": ErrorResponse, "description": _ERROR_STATUSES[s]} for s in statuses
+    }
+    if 503 in out:
+        out[503]["headers"] = {"Retry-After": {"schema": {"type": "string"}}}
+    if stream:
+        out[200] = {
+            "description": "The completion (JSON), or with `stream: true` server-sent events, each line "
+            "`data: <chunk JSON>`, ending with `data: [DONE]`.",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        }
+    return out
+
+
+def _document_limits(schemas: dict, st: _Server) -> None:
+    """Write this server's own limits into the request schemas, so a client (or a schema-driven fuzzer) can read
+    what is accepted: the one model id, the neutral values of unsupported fields, stop-string bounds, exact
+    integer bounds (pydantic spells them as floats, and 2^63 - 1 does not survive that)."""
+    stop = {"type": "string", "maxLength": st.cfg.max_stop_length}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name]["properties"]
+        props["model"] = {"type": "string", "enum": [st.cfg.model_name], "title": "Model"}
+        props["seed"] = {
+            "anyOf": [{"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}, {"type": "null"}]
+        }
+        props["stop"] = {
+            "anyOf": [
+                stop,
+                {"type": "array", "items": stop, "maxItems": st.cfg.max_stop_strings},
+                {"type": "null"},
+            ]
+        }
+        for field_name, neutral in NEUTRAL_SCHEMAS.items():
+            if field_name in props:
+                props[field_name] = neutral
+        for field_schema in props.values():
+            for sub in field_schema.get("anyOf", [field_schema]):
+                for bound in ("minimum", "maximum"):
+                    if sub.get("type") == "integer" and isinstance(sub.get(bound), float):
+                        sub[bound] = int(sub[bound])
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    chat["max_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}  # 0 is for echo
+    token_id = {"type": "integer", "minimum": 0, "maximum": st.vocab_size - 1}
+    schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"] = [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": token_id, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {
+            "type": "array",
+            "items": {"type": "array", "items": token_id, "minItems": 1},
+            "minItems": 1,
+            "maxItems": 1,
+        },
+    ]
+
+
+def _openapi(app: FastAPI, st: _Server):
+    """The schema FastAPI builds, without its 422 (this server answers validation errors with 400), with this
+    server's limits written in."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            _document_limits(schemas, st)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
 def create_app(
     engine: Engine,
     tokenizer,
@@ -257,93 +580,124 @@ def create_app(
 
     app = FastAPI(title="resispec", version="0.1.0", lifespan=lifespan)
     app.state.server = st
+    app.add_middleware(_Guard, max_body=st.cfg.max_body_bytes)
+    app.openapi = _openapi(app, st)
     # auth runs as a dependency, i.e. before the body is validated: no key -> 401 even for a bad body
     auth = [Depends(st.check_auth)]
+    request_models = (CompletionRequest, ChatCompletionRequest)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        try:
+            st.check_auth(request)  # the body is parsed before dependencies run: a missing key still wins
+        except APIError as err:
+            return _error_response(err)
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        cause = first.get("ctx", {}).get("error")
         if first.get("type") == "json_invalid":
             msg, param = f"Malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        elif isinstance(cause, InvalidUnicode):
+            msg, param = str(cause), cause.param
         else:
-            param = ".".join(loc) or None
+            param = _param(first.get("loc", ()), request_models)
             msg = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
             if len(errors) > 1:
                 msg += f" (and {len(errors) - 1} more errors)"
-        return JSONResponse(error_body(msg, param=param, code=first.get("type")), status_code=400)
+        return _error_response(APIError(400, msg, param=param, code=first.get("type")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code
-        )
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return JSONResponse(error_body(f"Internal error: {exc}", type="internal_error"), status_code=500)
+        code = "body_too_large" if exc.status_code == 413 else str(exc.status_code)
+        err = APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+        return _error_response(err)
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=auth)
-    async def models() -> dict:
+    def model_card() -> dict:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": st.cfg.model_name,
-                    "object": "model",
-                    "created": st.created,
-                    "owned_by": "resispec",
-                    "max_model_len": st.max_model_len,
-                }
-            ],
+            "id": st.cfg.model_name,
+            "object": "model",
+            "created": st.created,
+            "owned_by": "resispec",
+            "max_model_len": st.max_model_len,
         }
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, responses=_responses(401))
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, responses=_responses(401, 404))
+    async def model(model_id: str) -> dict:
+        st.check_model(model_id)
+        return model_card()
+
+    generation_errors = _responses(400, 401, 404, 413, 500, 503, stream=True)
+
+    @app.post("/v1/completions", dependencies=auth, responses=generation_errors)
     async def completions(req: CompletionRequest, request: Request):
         st.check_common(req)
-        if req.echo or req.logprobs is not None:
-            raise APIError(
-                400, "echo and logprobs are not supported.", param="echo" if req.echo else "logprobs"
-            )
-        prompt_ids = st.completion_prompt(req)
-        params = st.params(req, req.max_tokens, len(prompt_ids))
+        prompt_ids, prompt_text = await st.completion_prompt(req)
+        params = st.params(req, req.max_tokens, len(prompt_ids), logprobs=req.logprobs, echo=req.echo)
         rid, created, model = new_id("cmpl"), now(), st.cfg.model_name
         job = st.submit(prompt_ids, params)
+        echo = prompt_text if req.echo else ""
+        scored = 0  # emitted tokens whose log-probs are sent
+        offset = len(echo)  # text offset of the next scored token
 
-        def body(text: str, finish: str | None) -> dict:
+        def logprobs(num_tokens: int, prompt: bool = False) -> dict | None:
+            nonlocal scored, offset
+            if req.logprobs is None:
+                return None
+            entries = list(job.prompt_logprobs or []) if prompt else []
+            start = 0 if prompt else offset
+            entries += job.logprobs[scored : scored + num_tokens]
+            scored += num_tokens
+            out = completion_logprobs(entries, st.token_text, start)
+            if not prompt:
+                offset += sum(len(t) for t in out["tokens"])
+            return out
+
+        def body(text: str, finish: str | None, lp: dict | None = None) -> dict:
             return {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
             }
 
         if not req.stream:
             res = await st.collect(request, job, params.stop)
-            return {**body(res.text, res.finish_reason), "usage": usage(len(prompt_ids), res.num_tokens)}
+            return {
+                **body(echo + res.text, res.finish_reason, logprobs(res.num_tokens, prompt=req.echo)),
+                "usage": usage(len(prompt_ids), res.num_tokens),
+            }
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events() -> AsyncIterator[str]:
             extra = {"usage": None} if with_usage else {}
+            echoed = not req.echo
             try:
                 async with aclosing(st.run(job, params.stop)) as deltas:
-                    async for delta in deltas:
-                        yield _sse({**body(delta, None), **extra})
+                    async for delta, num_tokens in deltas:
+                        if not echoed:  # the prompt's log-probs exist once the worker has started the job
+                            echoed = True
+                            yield _sse({**body(echo, None, logprobs(0, prompt=True)), **extra})
+                        if delta or (num_tokens and req.logprobs is not None):
+                            yield _sse({**body(delta, None, logprobs(num_tokens)), **extra})
+                if not echoed:
+                    yield _sse({**body(echo, None, logprobs(0, prompt=True)), **extra})
                 yield _sse({**body("", job.result.finish_reason), **extra})
                 if with_usage:
                     yield _sse(
@@ -354,30 +708,42 @@ def create_app(
                         }
                     )
             except Exception as exc:  # the stream has started: report in-band
-                log.exception("generation failed")
-                yield _sse(error_body(f"Internal error: {exc}", type="internal_error"))
+                yield _sse_error(exc)
             yield "data: [DONE]\n\n"
 
         return _CancellingStream(events(), job)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, responses=generation_errors)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         st.check_common(req)
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported.", param="logprobs")
-        prompt_ids = encode_chat(st.tokenizer, [(m.role, m.text()) for m in req.messages])
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = st.params(req, max_tokens, len(prompt_ids))
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+        num_top = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_ids = await st.chat_prompt(req)
+        if req.max_completion_tokens is not None:
+            max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_param = req.max_tokens, "max_tokens"
+        params = st.params(req, max_tokens, len(prompt_ids), max_param, logprobs=num_top)
         rid, created, model = new_id("chatcmpl"), now(), st.cfg.model_name
         job = st.submit(prompt_ids, params)
+        scored = 0
 
-        def chunk(delta: dict, finish: str | None) -> dict:
+        def logprobs(num_tokens: int) -> dict | None:
+            nonlocal scored
+            if num_top is None:
+                return None
+            entries = job.logprobs[scored : scored + num_tokens]
+            scored += num_tokens
+            return chat_logprobs(entries, st.token_text)
+
+        def chunk(delta: dict, finish: str | None, lp: dict | None = None) -> dict:
             return {
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
             }
 
         if not req.stream:
@@ -391,7 +757,7 @@ def create_app(
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": res.text},
-                        "logprobs": None,
+                        "logprobs": logprobs(res.num_tokens),
                         "finish_reason": res.finish_reason,
                     }
                 ],
@@ -404,8 +770,9 @@ def create_app(
             try:
                 yield _sse({**chunk({"role": "assistant", "content": ""}, None), **extra})
                 async with aclosing(st.run(job, params.stop)) as deltas:
-                    async for delta in deltas:
-                        yield _sse({**chunk({"content": delta}, None), **extra})
+                    async for delta, num_tokens in deltas:
+                        if delta or (num_tokens and num_top is not None):
+                            yield _sse({**chunk({"content": delta}, None, logprobs(num_tokens)), **extra})
                 yield _sse({**chunk({}, job.result.finish_reason), **extra})
                 if with_usage:
                     yield _sse(
@@ -416,8 +783,7 @@ def create_app(
                         }
                     )
             except Exception as exc:
-                log.exception("generation failed")
-                yield _sse(error_body(f"Internal error: {exc}", type="internal_error"))
+                yield _sse_error(exc)
             yield "data: [DONE]\n\n"
 
         return _CancellingStream(events(), job)

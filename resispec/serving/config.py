@@ -15,6 +15,9 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting for the decoding worker; more get 503
     max_tokens_default: int = 128  # when a request gives no max_tokens (capped by the context left)
     max_model_len: int | None = None  # context length; null = the smaller max_position_embeddings of the pair
+    max_body_bytes: int = 2 * 1024 * 1024  # larger request bodies get 413 at once (a 128k-token prompt fits)
+    max_stop_strings: int = 16  # more stop strings get 400 (OpenAI allows 4)
+    max_stop_length: int = 512  # characters per stop string; longer get 400
     log_level: str = "info"
 
 

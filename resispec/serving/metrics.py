@@ -104,6 +104,9 @@ class ServerMetrics:
             lbl + ["finished_reason"],
             registry=r,
         )
+        self.request_errors = Counter(
+            "resispec:request_errors", "Requests whose generation failed (server errors).", lbl, registry=r
+        )
         self.running = Gauge("resispec:num_requests_running", "Requests being decoded.", lbl, registry=r)
         self.waiting = Gauge(
             "resispec:num_requests_waiting", "Requests queued for the decoding worker.", lbl, registry=r

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
+from resispec.serving.logprobs import start_scoring
+
 log = logging.getLogger(__name__)
 
 
@@ -32,6 +34,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # score emitted tokens with the target, k alternatives each (logprobs.py)
+    echo: bool = False  # with logprobs: score the prompt too
 
 
 class Engine(Protocol):
@@ -95,6 +99,8 @@ class Job:
         self.stats: Any = None
         self.error: BaseException | None = None
         self.result: Any = None  # filled by the app (text, token count, finish reason)
+        self.logprobs: list = []  # TokenLogprob per emitted token, extended before each chunk is put
+        self.prompt_logprobs: list | None = None  # with echo: set before the first chunk or the end is put
         self.submitted = time.perf_counter()
 
     def cancel(self) -> None:
@@ -178,10 +184,14 @@ class DecodeWorker:
                 job._put(_DONE)
 
     def _generate(self, job: Job) -> None:
+        scorer = start_scoring(self.engine, job.prompt_ids, job.params)  # None unless logprobs are asked
+        job.prompt_logprobs = scorer and scorer.prompt
         it = self.engine.stream(job.prompt_ids, job.params)
         try:
             for chunk in it:
                 if chunk:
+                    if scorer is not None:
+                        job.logprobs.extend(scorer.add(chunk))
                     job._put(list(chunk))
                 if job.cancelled.is_set():
                     break

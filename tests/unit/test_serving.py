@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from resispec.serving.app import create_app
@@ -80,11 +81,14 @@ def _expected(prompt_last: int, n: int) -> str:
 
 @pytest.fixture()
 def serve_fake():
-    """Factory: (engine, ServerConfig kwargs) -> base URL of a uvicorn server in a thread; all stopped at the end."""
+    """Factory: (engine, patch=None, ServerConfig kwargs) -> base URL of a uvicorn server in a thread; `patch(app)`
+    may alter the app first. All stopped at the end."""
     servers = []
 
-    def start(engine, **cfg) -> str:
+    def start(engine, patch=None, **cfg) -> str:
         app = create_app(engine, CharTokenizer(), ServerConfig(model_name="m", **cfg), max_model_len=40)
+        if patch is not None:
+            patch(app)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -201,7 +205,7 @@ def test_errors_are_openai_shaped_and_server_keeps_serving(serve_fake):
         (h, {"model": "m", "prompt": "a" * 41}, 400),
         (h, {"model": "m", "prompt": "a", "max_tokens": 40}, 400),
         (h, {"model": "m", "prompt": "a", "stop": 5}, 400),
-        (h, {"model": "m", "prompt": "a", "echo": True}, 400),
+        (h, {"model": "m", "prompt": "a", "best_of": 2}, 400),
         (h, {"model": "m", "prompt": "a", "presence_penalty": 0.5}, 400),
         (h, {"model": "m", "prompt": "a", "logit_bias": {"3": 5}}, 400),
     ]
@@ -243,7 +247,7 @@ def test_requests_queue_to_one_worker_and_full_queue_is_503(serve_fake):
             p = r.json()
             assert len(p["choices"][0]["text"]) == 6
         else:
-            assert r.json()["error"]["code"] == "queue_full"
+            assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1"
 
 
 def test_client_disconnect_cancels_generation(serve_fake):
@@ -267,6 +271,84 @@ def test_client_disconnect_cancels_generation(serve_fake):
     while len(engine.closed_after) < 2 and time.time() < deadline:
         time.sleep(0.01)
     assert len(engine.closed_after) == 2 and engine.closed_after[1] < 30
+
+
+def test_non_ascii_key_and_token(serve_fake):
+    url = serve_fake(FakeEngine(), api_key="kéy")
+    body = {"model": "m", "prompt": "a", "max_tokens": 2}
+    with httpx.Client(base_url=url, timeout=10) as c:
+        assert (
+            c.post("/v1/completions", json=body, headers={"Authorization": "Bearer kéy".encode()}).status_code
+            == 200
+        )
+        for auth in ("Bearer kéy".encode("latin-1"), "Bearer ключ".encode(), b"Bearer \xff", b"Bearer k"):
+            r = c.post("/v1/completions", json=body, headers={"Authorization": auth})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_server_errors_never_take_the_next_request(serve_fake):
+    """A 500 from the engine keeps the connection; an unexpected exception in the app is a 500 with an error body
+    and `Connection: close`; either way the next request on the same client succeeds."""
+    url = serve_fake(FakeEngine(fail_on=9))
+    ok = {"model": "m", "prompt": "a", "max_tokens": 2}
+    with httpx.Client(base_url=url, timeout=10) as c:
+        for _ in range(3):
+            r = c.post("/v1/completions", json={"model": "m", "prompt": "j"})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+            assert c.post("/v1/completions", json=ok).status_code == 200
+        metrics = c.get("/metrics").text
+    assert 'resispec:request_errors_total{model_name="m"} 3.0' in metrics
+    assert 'finished_reason="abort"' not in metrics  # a failed request is not an abort
+
+    # an exception outside the request handlers' own error handling
+    async def boom(req):
+        raise RuntimeError("tokenizer on fire")
+
+    def patch(app):
+        app.state.server.completion_prompt = boom
+
+    url = serve_fake(FakeEngine(), patch=patch)
+    with httpx.Client(base_url=url, timeout=10) as c:
+        for _ in range(3):
+            r = c.post("/v1/completions", json=ok)
+            assert r.status_code == 500 and r.headers["connection"] == "close"
+            assert "tokenizer on fire" in r.json()["error"]["message"]
+            chat = {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+            assert c.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_logprobs_need_a_scoring_engine_and_echo_works_without(serve_fake):
+    url = serve_fake(FakeEngine())
+    r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "ab", "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    r = httpx.post(
+        url + "/v1/completions", json={"model": "m", "prompt": "ab", "echo": True, "max_tokens": 3}
+    )
+    assert r.json()["choices"][0]["text"] == "ab" + _expected(1, 3)
+    r = httpx.post(
+        url + "/v1/completions", json={"model": "m", "prompt": "ab", "echo": True, "max_tokens": 0}
+    )
+    assert r.json()["choices"][0]["text"] == "ab" and r.json()["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 5e-324, 1e-300, 1e-38, 1e-6, 1e-5, 0.3, 2.0])
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-6, 0.5, 1.0])
+@pytest.mark.parametrize("top_k", [0, 1, 7, 2**31 - 1])
+def test_sampling_transform_is_finite_for_any_finite_settings(temperature, top_p, top_k):
+    """The guard where probabilities are built: no NaN, so no sampled id outside the vocabulary."""
+    from resispec.sampling import probs as process_logits
+    from resispec.sampling import sample_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen) * 30
+    logits[0] = 0.0  # all ties
+    logits[1, 3] = 1e4  # one dominant logit
+    probs = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(6))
+    ids = sample_tokens(probs, gen)
+    assert ((ids >= 0) & (ids < 50)).all()
+    if temperature < 1e-5 or top_p <= 1e-6 or top_k == 1:  # only a most likely token can come out
+        assert torch.equal(logits.gather(-1, ids[:, None])[:, 0], logits.max(-1).values)
 
 
 # ---------------------------------------------------------------- bench helpers
