@@ -173,6 +173,10 @@ class BatchedDecoder:
         if not rows:
             self.cache = new_cache(self.target)
 
+    def reset(self) -> None:
+        """Drop every row (after a failed step)."""
+        self.rows, self.cache, self.num_cols = [], new_cache(self.target), 0
+
     @property
     def kv_tokens(self) -> int:
         """Cache slots held now: rows x columns (padding included)."""
@@ -190,7 +194,11 @@ class BatchedDecoder:
         dev = self.device
         lengths = torch.tensor([r.length for r in rows], device=dev)  # [B]
         ids = torch.tensor([[r.root] for r in rows], device=dev)  # [B, 1]
-        mask = batch_attention_mask(lengths, self.num_cols, 1, self.target.dtype)  # [B, 1, 1, T + 1]
+        mask = (
+            None  # no padding (every row spans all T columns): the plain causal path, as the batch-1 decoder
+        )
+        if any(r.length != self.num_cols for r in rows):
+            mask = batch_attention_mask(lengths, self.num_cols, 1, self.target.dtype)  # [B, 1, 1, T + 1]
         logits = forward_logits(self._fwd, ids, self.cache, lengths[:, None], mask)[:, -1, : self.vocab_size]
         tokens = logits.argmax(dim=-1)  # [B]; sampled rows overwrite theirs
         for b, row in enumerate(rows):

@@ -36,7 +36,14 @@ from resispec.serving.protocol import (
     usage,
 )
 from resispec.serving.text import TextAssembler, encode_chat, encode_text
-from resispec.serving.worker import DecodeWorker, Engine, Job, QueueFullError, SamplingParams
+from resispec.serving.worker import (
+    DecodeWorker,
+    Engine,
+    Job,
+    QueueFullError,
+    RequestTooLargeError,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "RESISPEC_API_KEY"
@@ -158,6 +165,8 @@ class _Server:
             return self.worker.submit(prompt_ids, params)
         except QueueFullError as exc:
             raise APIError(503, str(exc), type="service_unavailable_error", code="queue_full") from exc
+        except RequestTooLargeError as exc:
+            raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from exc
 
     async def run(self, job: Job, stop: list[str]) -> AsyncIterator[str]:
         """Text deltas of one generation; records latency metrics. On exit (end, error, or the consumer going
