@@ -49,5 +49,7 @@ class BenchConfig:
     server_url: str | None = None  # load-test a running server instead (localhost only)
     concurrency: int = 8
     num_requests: int = 32
+    concurrencies: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # the load sweep's levels
+    ignore_eos: bool = True  # load test: every request runs to max_tokens, so lost tokens show
     seed: int = 0
     output_dir: str | None = None  # default: the Hydra run folder

@@ -11,10 +11,11 @@ Paths a request can take:
   stream  an engine without a batched decoder (or max_batch_size = 1): one request at a time, the old behaviour.
 
 Adaptive speculation (`server.speculation: auto`; `always` sends every lone request to the speculative path, `never`
-keeps everything on the batch), by measured cost: the scheduler keeps an exponential moving average of the seconds per
-emitted token of the speculative path (alone) and of the batched path with one row. A lone request goes speculative
-when that path has not been measured yet or measures cheaper; the batched path is measured once at the start and
-re-measured every `EXPLORE_EVERY` lone requests. Above one running request the batch always wins on this hardware
+keeps everything on the batch), by measured cost: the scheduler keeps the seconds per emitted token of the last
+COST_WINDOW steps of the speculative path (alone; a step's time over the tokens it emitted, the prefill step
+excluded) and of the batched path with one row, and compares their medians. A lone request goes speculative
+when that path has not been measured yet or measures cheaper; the batched path is measured on the second lone
+request, and every `EXPLORE_EVERY`-th lone request takes the losing path to re-measure it. Above one running request the batch always wins on this hardware
 (a tree verify of k nodes costs about a forward of k tokens, which the batch spends on other rows instead).
 A seeded sampled request never changes path once started (a speculative one keeps decoding speculatively next
 to the batch), so with a given seed its tokens depend only on whether it arrived alone, never on its neighbours.
@@ -38,7 +39,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 EXPLORE_EVERY = 16  # lone requests between two re-measurements of the batched path
-EMA = 0.2
 SPECULATION = (
     "auto",
     "always",
@@ -95,7 +95,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size if self.batched is not None else 1
         self.kv_budget, self.max_queue = kv_budget, max_queue
         self.speculative = bool(getattr(engine, "speculative", False))
-        self.cost: dict[str, float | None] = {"spec": None, "batch1": None}  # seconds per token, EMA
+        self.samples: dict[str, deque] = {k: deque(maxlen=COST_WINDOW) for k in ("spec", "batch1")}
         self.num_lone = 0
         self.waiting: deque = deque()
         self.tasks: list[_Task] = []
@@ -225,12 +225,13 @@ class Scheduler:
         if self.speculation == "always":
             return True
         self.num_lone += 1
-        spec, batch1 = self.cost["spec"], self.cost["batch1"]
+        spec, batch1 = self.cost("spec"), self.cost("batch1")
         if spec is None:
             return True
-        if batch1 is None or self.num_lone % EXPLORE_EVERY == 0:
+        if batch1 is None:
             return False
-        return spec < batch1
+        explore = self.num_lone % EXPLORE_EVERY == 0  # now and then, re-measure the path that lost
+        return (spec < batch1) != explore
 
     def _add_row(self, task: _Task):
         """Prefill `task` (prompt + what it already emitted) as a batch row."""
@@ -303,8 +304,13 @@ class Scheduler:
                     self._finish(task)
 
     def _measure(self, path: str, seconds_per_token: float) -> None:
-        old = self.cost[path]
-        self.cost[path] = seconds_per_token if old is None else (1 - EMA) * old + EMA * seconds_per_token
+        self.samples[path].append(seconds_per_token)
+
+    def cost(self, path: str) -> float | None:
+        """Median seconds per emitted token of `path` ("spec": speculative alone; "batch1": the batch with one
+        row) over the recent steps; None before the first measurement."""
+        samples = sorted(self.samples[path])
+        return samples[len(samples) // 2] if samples else None
 
     def _finish(self, task: _Task, error: BaseException | None = None) -> None:
         if task in self.tasks:
