@@ -38,12 +38,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-EXPLORE_EVERY = 16  # lone requests between two re-measurements of the batched path
-SPECULATION = (
-    "auto",
-    "always",
-    "never",
-)  # lone requests: by measured cost, always speculative, never  # weight of the newest measurement in the cost averages
+EXPLORE_EVERY = 16  # every so many lone requests, the path that measured slower is measured again
+COST_WINDOW = 32  # recent per-token costs kept per path; the policy compares medians
+SPECULATION = ("auto", "always", "never")  # lone requests: by measured cost, always speculative, never
 
 
 class QueueFullError(RuntimeError):
