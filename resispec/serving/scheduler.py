@@ -94,6 +94,7 @@ class Scheduler:
         self.speculative = bool(getattr(engine, "speculative", False))
         self.samples: dict[str, deque] = {k: deque(maxlen=COST_WINDOW) for k in ("spec", "batch1")}
         self.num_lone = 0
+        self.peak_running = 0  # most requests decoded together so far
         self.waiting: deque = deque()
         self.tasks: list[_Task] = []
         self._cv = threading.Condition()
@@ -134,6 +135,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the decode thread
     def _gauges(self) -> None:
+        self.peak_running = max(self.peak_running, len(self.tasks))
         if self.metrics is not None:
             self.metrics.waiting.labels(self.metrics.model_name).set(len(self.waiting))
             self.metrics.running.labels(self.metrics.model_name).set(len(self.tasks))
