@@ -31,7 +31,9 @@ import torch
 
 from resispec.decoding.kv_cache import (
     batch_attention_mask,
+    crop_cache,
     forward_logits,
+    gather_cache_columns,
     merge_cache_row,
     new_cache,
     select_cache_rows,
@@ -56,7 +58,10 @@ class BatchRow:
     finished: bool = False
     stats: DecodeStats = field(default_factory=DecodeStats)
     root: int = 0  # the last committed token, not yet in the cache
-    length: int = 0  # tokens of this row held in the cache
+    length: int = 0  # tokens of this row held in the (target) cache
+    pending: list[int] = field(
+        default_factory=list
+    )  # speculative: committed tokens not yet in the draft cache
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -94,7 +99,7 @@ class BatchedDecoder:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size or target.get_output_embeddings().weight.shape[0]
         self.device = next(target.parameters()).device
-        self._fwd = forward if forward is not None else target
+        self._target_fwd = forward if forward is not None else target
         self.rows: list[BatchRow] = []
         self.cache = new_cache(target)
         self.num_cols = 0  # T: columns of the batch cache
@@ -147,13 +152,17 @@ class BatchedDecoder:
         if len(prompt) > 1:
             t0 = time.perf_counter()
             ids = torch.tensor([prompt[:-1]], device=self.device)
-            forward_logits(self._fwd, ids, row_cache, logits_to_keep=1)
+            forward_logits(self._target_fwd, ids, row_cache, logits_to_keep=1)
             row.stats.target_seconds += time.perf_counter() - t0
             row.stats.target_forwards += 1
+        self._merge(row, row_cache)
+        return row
+
+    def _merge(self, row: BatchRow, row_cache) -> None:
+        """The prefilled row joins the batch cache."""
         merge_cache_row(self.cache, len(self.rows), row_cache)
         self.num_cols = max(self.num_cols, row.length)
         self.rows.append(row)
-        return row
 
     def remove(self, row: BatchRow) -> None:
         """Drop `row` from the batch now (a cancelled request); a row not in the batch is ignored."""
@@ -199,7 +208,9 @@ class BatchedDecoder:
         )
         if any(r.length != self.num_cols for r in rows):
             mask = batch_attention_mask(lengths, self.num_cols, 1, self.target.dtype)  # [B, 1, 1, T + 1]
-        logits = forward_logits(self._fwd, ids, self.cache, lengths[:, None], mask)[:, -1, : self.vocab_size]
+        logits = forward_logits(self._target_fwd, ids, self.cache, lengths[:, None], mask)[
+            :, -1, : self.vocab_size
+        ]
         tokens = logits.argmax(dim=-1)  # [B]; sampled rows overwrite theirs
         for b, row in enumerate(rows):
             if not row.greedy:
@@ -230,3 +241,306 @@ class BatchedDecoder:
         while self.rows:
             self.step()
         return [r.generated for r in rows]
+
+
+# ---------------------------------------------------------------------------- batched speculative decoding
+class _HoleyCache:
+    """A batch cache whose rows may have holes: `valid` [B, T] marks the columns each row attends to. Tree nodes
+    are appended for every row and only the accepted ones become valid (keys carry their RoPE positions, so a
+    row's valid columns in any order ARE its sequence); padding queries of shorter rows are never valid.
+    Columns no row uses are cropped, and the cache is repacked right-aligned when holes outweigh tokens."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.cache = new_cache(model)
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=next(model.parameters()).device)
+
+    @property
+    def num_cols(self) -> int:
+        return self.valid.shape[1]
+
+    def add_row(self, row_cache, length: int) -> None:
+        """Merge a batch-1 cache holding `length` tokens as a new row (right-aligned)."""
+        merge_cache_row(self.cache, self.valid.shape[0], row_cache)
+        width = max(self.num_cols, length)
+        old = torch.cat([self.valid.new_zeros(self.valid.shape[0], width - self.num_cols), self.valid], 1)
+        new = torch.arange(width, device=self.valid.device) >= width - length
+        self.valid = torch.cat([old, new[None]])
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        select_cache_rows(self.cache, rows)
+        self.valid = self.valid.index_select(0, rows)
+        self.compact()
+
+    def append(self, new_valid: torch.Tensor) -> None:
+        """Record the columns the last forward appended ([B, Q])."""
+        self.valid = torch.cat([self.valid, new_valid], 1)
+
+    def allowed(self, num_new: int) -> torch.Tensor:
+        """[B, Q, T + Q] bool: cached valid columns for every query; the new block is left False (caller fills)."""
+        b = self.valid.shape[0]
+        out = torch.zeros(b, num_new, self.num_cols + num_new, dtype=torch.bool, device=self.valid.device)
+        out[:, :, : self.num_cols] = self.valid[:, None, :]
+        return out
+
+    def compact(self) -> None:
+        """Drop columns no row uses at either end; repack right-aligned when holes exceed the tokens."""
+        if self.valid.shape[0] == 0:
+            self.cache, self.valid = new_cache(self.model), self.valid[:, :0]
+            return
+        used = self.valid.any(0).nonzero()
+        if used.numel() == 0:
+            first, last = self.num_cols, self.num_cols
+        else:
+            first, last = int(used[0]), int(used[-1]) + 1
+        if last < self.num_cols:
+            crop_cache(self.cache, last)
+            self.valid = self.valid[:, :last]
+        if first > 0:
+            trim_cache_left(self.cache, first)
+            self.valid = self.valid[:, first:]
+        counts = self.valid.sum(1)
+        width = int(counts.max()) if counts.numel() else 0
+        if self.num_cols > 2 * width + 16:
+            # stable sort puts each row's holes first and its valid columns (in order) last
+            order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:] if width else None
+            if order is None:
+                self.cache, self.valid = new_cache(self.model), self.valid[:, :0]
+                return
+            gather_cache_columns(self.cache, order)
+            self.valid = self.valid.gather(1, order)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [B, Q, K] -> additive 4D mask [B, 1, Q, K]."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+class BatchedSpeculativeDecoder:
+    """Batched exact speculative decoding: per-row draft trees, one draft forward per depth and ONE target forward
+    per step for all rows, per-row acceptance with the rule (greedy rows: GreedyTopK), per-row bookkeeping.
+
+    Same row API as BatchedDecoder (add / step / remove / generate). Each row consumes its own generator in the same
+    order as SpeculativeDecoder does alone (propose depth 1..D, then the verification walk), so a seeded row's
+    output does not depend on its neighbours, and a greedy row equals the target's greedy decoding."""
+
+    def __init__(
+        self,
+        target,
+        draft,
+        rule="resispec",
+        tree: Sequence[int] = (2, 1),
+        tokenizer=None,
+        vocab_size: int | None = None,
+        greedy_topk: bool = True,
+    ) -> None:
+        from resispec.decoding.engine import _resolve_rule
+        from resispec.decoding.tokenizers import resolve_vocab_size
+        from resispec.decoding.tree import max_tree_nodes, parse_tree
+
+        self.target, self.draft = target.eval(), draft.eval()
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size or resolve_vocab_size(target, draft, tokenizer)
+        self.rule = _resolve_rule(rule)
+        self.shape = parse_tree(list(tree))
+        self.max_nodes = max_tree_nodes(self.shape)
+        self.greedy_topk = greedy_topk
+        self.device = next(target.parameters()).device
+        self._target_fwd, self._d_fwd = target, draft
+        self.rows: list[BatchRow] = []
+        self.tcache, self.dcache = _HoleyCache(target), _HoleyCache(draft)
+
+    @classmethod
+    def from_decoder(cls, decoder) -> BatchedSpeculativeDecoder:
+        """The batched speculative path of a `SpeculativeDecoder` (same pair, rule, tree, vocabulary)."""
+        dec = cls(
+            decoder.target,
+            decoder.draft,
+            decoder.rule,
+            decoder.shape,
+            decoder.tokenizer,
+            decoder.vocab_size,
+            decoder.greedy_topk,
+        )
+        dec._target_fwd, dec._d_fwd = decoder._target_fwd, decoder._draft_fwd
+        return dec
+
+    # the row API of BatchedDecoder: add() prefills the target now (the draft's prefill is folded into the row's
+    # first step) and calls _merge; generate() runs rows to the end
+    add = BatchedDecoder.add
+    generate = BatchedDecoder.generate
+
+    def _merge(self, row: BatchRow, row_cache) -> None:
+        """BatchedDecoder.add's hook: the new row joins both caches."""
+        self.tcache.add_row(row_cache, row.length)
+        self.dcache.add_row(new_cache(self.draft), 0)
+        row.pending = list(row.prompt)  # committed tokens not yet in the draft cache
+        row.stats.accepted_per_position = [0] * len(self.shape)
+        row.stats.reached_per_position = [0] * len(self.shape)
+        self.rows.append(row)
+
+    def remove(self, row: BatchRow) -> None:
+        self._keep([r for r in self.rows if r is not row])
+
+    def _keep(self, rows: list[BatchRow]) -> None:
+        if len(rows) == len(self.rows):
+            return
+        index = {id(r): i for i, r in enumerate(self.rows)}
+        sel = torch.tensor([index[id(r)] for r in rows], dtype=torch.long, device=self.device)
+        self.tcache.keep_rows(sel)
+        self.dcache.keep_rows(sel)
+        self.rows = rows
+
+    def reset(self) -> None:
+        self.rows = []
+        self.tcache, self.dcache = _HoleyCache(self.target), _HoleyCache(self.draft)
+
+    @property
+    def kv_tokens(self) -> int:
+        return len(self.rows) * (self.tcache.num_cols + self.dcache.num_cols)
+
+    def _probs(self, logits: torch.Tensor, settings: dict) -> torch.Tensor:
+        return process_logits(logits[..., : self.vocab_size], **settings)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[BatchRow, list[int]]]:
+        """One speculative step for every row -> [(row, its emitted tokens)]; finished rows leave the batch."""
+        from resispec.decoding.engine import GREEDY_TOPK, SpeculativeDecoder
+        from resispec.decoding.tree import DraftTree
+
+        rows = self.rows
+        if not rows:
+            return []
+        t0 = time.perf_counter()
+        dev, nb, shape = self.device, len(rows), self.shape
+        greedy_tk = [r.greedy and self.greedy_topk for r in rows]
+        rules = [GREEDY_TOPK if g else self.rule for g in greedy_tk]
+        q_set = [
+            dict(temperature=1.0, top_k=0, top_p=1.0) if g else r.settings
+            for r, g in zip(rows, greedy_tk, strict=True)
+        ]
+        lims = [min(len(shape), r.max_new_tokens - len(r.generated) - 1) for r in rows]
+        trees = [DraftTree(r.root, self.max_nodes) for r in rows]
+        proposals: list[list] = [[] for _ in rows]
+        fed = [0] * nb  # deepest tree level each row's draft has processed
+        node_col: list[dict[int, int]] = [{} for _ in rows]  # tree node -> draft cache column, this step
+
+        # ---- draft, depth 0: every row's pending committed tokens (right-padded)
+        width = max(len(r.pending) for r in rows)
+        ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
+        pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
+        new_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
+        for b, r in enumerate(rows):
+            n = len(r.pending)
+            ids[b, :n] = torch.tensor(r.pending, device=dev)
+            pos[b, :n] = torch.arange(r.length + 1 - n, r.length + 1, device=dev)
+            new_valid[b, :n] = True
+        allowed = self.dcache.allowed(width)
+        t_old = self.dcache.num_cols
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+        allowed[:, :, t_old:] = (causal[None] & new_valid[:, None, :]) | torch.eye(
+            width, dtype=torch.bool, device=dev
+        )[None]
+        logits = forward_logits(
+            self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self.draft.dtype)
+        )
+        self.dcache.append(new_valid)
+        qs = [
+            self._probs(logits[b, len(r.pending) - 1 : len(r.pending)], q_set[b]) for b, r in enumerate(rows)
+        ]
+        growing = [lim > 0 for lim in lims]
+        for depth in range(1, len(shape) + 1):
+            feed = []  # (row, level) pairs the draft processes at this depth
+            for b, r in enumerate(rows):
+                if not growing[b] or depth > lims[b]:
+                    growing[b] = False
+                    continue
+                proposal = rules[b].propose(qs[b], shape[depth - 1], r.generator)
+                level = trees[b].add_level(proposal.tokens.tolist())
+                if len(level) == 0:
+                    growing[b] = False
+                    continue
+                proposals[b].append(proposal)
+                if depth < lims[b]:
+                    feed.append((b, level))
+                else:
+                    growing[b] = False
+            if not feed:
+                break
+            width = max(len(level) for _, level in feed)
+            t_old = self.dcache.num_cols
+            ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
+            pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
+            allowed = self.dcache.allowed(width)
+            allowed[:, :, t_old:] = torch.eye(width, dtype=torch.bool, device=dev)[None]  # a node sees itself
+            for b, level in feed:
+                tree, n = trees[b], len(level)
+                ids[b, :n] = torch.tensor(tree.tokens[level.start : level.stop], device=dev)
+                pos[b, :n] = rows[b].length + depth
+                anc = tree.mask(level, range(1, level.start))  # [n, earlier non-root nodes]
+                for j in range(1, level.start):
+                    allowed[b, :n, node_col[b][j]] |= anc[:, j - 1].to(dev)
+            logits = forward_logits(
+                self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self.draft.dtype)
+            )
+            self.dcache.append(torch.zeros(nb, width, dtype=torch.bool, device=dev))
+            for b, level in feed:
+                for i, node in enumerate(level):
+                    node_col[b][node] = t_old + i
+                qs[b] = self._probs(logits[b, : len(level)], q_set[b])
+                fed[b] = depth
+        t1 = time.perf_counter()
+
+        # ---- verify: ONE target forward over every row's root and tree nodes
+        width = max(t.num_nodes for t in trees)
+        ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
+        pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
+        t_old = self.tcache.num_cols
+        allowed = self.tcache.allowed(width)
+        allowed[:, :, t_old:] = torch.eye(width, dtype=torch.bool, device=dev)[None]
+        for b, (r, tree) in enumerate(zip(rows, trees, strict=True)):
+            n = tree.num_nodes
+            ids[b, :n] = torch.tensor(tree.tokens, device=dev)
+            pos[b, :n] = torch.tensor(tree.depths, device=dev) + r.length
+            allowed[b, :n, t_old : t_old + n] = tree.mask(range(n), range(n)).to(dev)
+        logits = forward_logits(
+            self._target_fwd, ids, self.tcache.cache, pos, _additive(allowed, self.target.dtype)
+        )
+        t2 = time.perf_counter()
+
+        # ---- accept per row, then the bookkeeping that compacts both caches
+        t_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
+        out = []
+        for b, (r, tree) in enumerate(zip(rows, trees, strict=True)):
+            p = self._probs(logits[b, : tree.num_nodes], r.settings)
+            run, accepted = SpeculativeDecoder._walk(rules[b], tree, p, proposals[b], r.generator, r.greedy)
+            t_valid[b, [0] + accepted] = True
+            for n in accepted:
+                if tree.depths[n] <= fed[b]:
+                    self.dcache.valid[b, node_col[b][n]] = True
+            r.pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed[b]] + [run[-1]]
+            r.length += len(accepted) + 1
+            r.root = run[-1]
+            s = r.stats
+            s.num_drafts += 1
+            s.num_draft_tokens += tree.num_nodes - 1
+            s.num_accepted_tokens += len(accepted)
+            for j in range(min(len(accepted) + 1, tree.depth)):
+                s.reached_per_position[j] += 1
+                s.accepted_per_position[j] += int(j < len(accepted))
+            s.target_forwards += 1
+            s.draft_forwards += 1 + fed[b]
+            s.draft_seconds += t1 - t0
+            s.target_seconds += t2 - t1
+            chunk = []
+            for tok in run:
+                chunk.append(tok)
+                if r.emit(tok):
+                    break
+            out.append((r, chunk))
+        self.tcache.append(t_valid)
+        self.tcache.compact()
+        self.dcache.compact()
+        self._keep([r for r in rows if not r.finished])
+        return out

@@ -182,3 +182,12 @@ def batch_attention_mask(
     allowed = own[:, None, :] & causal[None, :, :]  # [B, Q, T + Q]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
+
+
+def gather_cache_columns(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Row b keeps columns index[b] (in that order): index [B, T'] long. Used to repack a batch cache whose rows
+    have holes (rejected tree nodes) into right-aligned rows."""
+    for layer in _layers(cache):
+        k, v = layer.keys, layer.values
+        layer.keys = k.gather(2, index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1]))
+        layer.values = v.gather(2, index[:, None, :, None].expand(-1, v.shape[1], -1, v.shape[-1]))
