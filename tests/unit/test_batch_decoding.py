@@ -1,13 +1,17 @@
-"""BatchedDecoder: every row of a batch equals decoding it alone (greedy: also HF generate), rows join and leave at
-step boundaries, a seeded sampled row gives the same tokens whatever its neighbours, memory stays bounded."""
+"""Batched decoding, autoregressive (BatchedDecoder) and speculative (BatchedSpeculativeDecoder): every row of a batch
+equals decoding it alone (greedy: also HF generate, every rule and tree shape), rows join and leave at step
+boundaries, a seeded sampled row gives the same tokens whatever its neighbours, memory stays bounded, and a sampled
+row inside a mixed batch follows the target's joint law."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from scipy.stats import chi2
 
 from resispec.decoding import SpeculativeDecoder
-from resispec.decoding.batch import BatchedDecoder
+from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
+from resispec.verify import VERIFIERS
 from tests.unit.test_decoding_helpers import micro_llama, single_thread
 
 VOCAB = 64
@@ -114,3 +118,122 @@ def test_stops_per_row(setup):
     assert rows[0].generated == free[: free.index(eos) + 1]
     assert rows[1].generated == free[:3]
     assert rows[2].generated == [] and rows[2].finished
+
+
+# ---------------------------------------------------------------------------- batched speculative decoding
+def _spec(setup, rule="resispec", tree=(3, 2, 1), **kwargs):
+    from tests.unit.test_decoding_helpers import noisy_copy
+
+    target = setup[0]
+    draft = noisy_copy(target, 0.3, seed=1)
+    dec = SpeculativeDecoder(target, draft, rule=rule, tree=list(tree), **kwargs)
+    return dec, BatchedSpeculativeDecoder.from_decoder(dec)
+
+
+@pytest.mark.parametrize("tree", [(1,), (1, 1, 1), (3, 2, 1), (4, 1)])
+def test_batched_spec_greedy_rows_equal_alone_and_hf(setup, tree):
+    target, ar, prompts = setup
+    dec, bs = _spec(setup, tree=tree)
+    out = bs.generate(prompts, dict(max_new_tokens=NEW, temperature=0.0, eos_token_id=[]))
+    for prompt, got in zip(prompts, out, strict=True):
+        assert got == _alone(ar, prompt, temperature=0.0)
+        hf = target.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert got == hf[0, len(prompt) :].tolist()
+    assert bs.tcache.num_cols == 0 and bs.dcache.num_cols == 0  # everything released
+
+
+@pytest.mark.parametrize("rule", sorted(VERIFIERS))
+def test_batched_spec_greedy_every_rule(setup, rule):
+    """The rule itself on one-hot p and q (greedy_topk=False), a branching tree."""
+    _, ar, prompts = setup
+    _, bs = _spec(setup, rule=rule, tree=(2, 2, 1), greedy_topk=False)
+    out = bs.generate(prompts[1:4], dict(max_new_tokens=16, temperature=0.0, eos_token_id=[]))
+    for prompt, got in zip(prompts[1:4], out, strict=True):
+        assert got == _alone(ar, prompt, new=16, temperature=0.0)
+
+
+def test_batched_spec_seeded_row_equals_alone_whatever_the_neighbours(setup):
+    _, _, prompts = setup
+    dec, bs = _spec(setup, rule="resispec", tree=(3, 2, 1))
+    settings = dict(temperature=1.0, top_k=20, top_p=0.95, eos_token_id=[])
+    ref = dec.generate(
+        torch.tensor([prompts[2]]), max_new_tokens=NEW, generator=torch.Generator().manual_seed(7), **settings
+    )
+    ref = ref.sequences[0, len(prompts[2]) :].tolist()
+
+    def run(neighbours):
+        row = bs.add(prompts[2], max_new_tokens=NEW, generator=torch.Generator().manual_seed(7), **settings)
+        for j, p in enumerate(neighbours):
+            temp = 0.0 if j % 2 else 0.7
+            bs.add(p, max_new_tokens=5 + 3 * j, temperature=temp, generator=torch.Generator().manual_seed(j))
+        while bs.rows:
+            bs.step()
+        return row
+
+    assert run([]).generated == ref
+    assert run(prompts[:2]).generated == ref
+    row = run(prompts[3:] + prompts[:1])
+    assert row.generated == ref and row.stats.tau > 1.0
+
+
+def test_batched_spec_rows_join_and_leave_with_bounded_cache(setup):
+    _, ar, prompts = setup
+    _, bs = _spec(setup, tree=(3, 2, 1))
+    rows = []
+    for i, prompt in enumerate(prompts * 2):  # a newcomer every step
+        rows.append(bs.add(prompt, max_new_tokens=6 + 2 * i, temperature=0.0, eos_token_id=[]))
+        bs.step()
+    bs.remove(rows[3])
+    while bs.rows:
+        bs.step()
+        longest = max((r.length for r in bs.rows), default=0)
+        # holes are cropped or repacked: never more than about twice the longest row, plus one step's tree
+        assert bs.tcache.num_cols <= 2 * longest + 16 + bs.max_nodes + 1
+    for i, (row, prompt) in enumerate(zip(rows, prompts * 2, strict=True)):
+        if i != 3:
+            assert row.generated == _alone(ar, prompt, new=6 + 2 * i, temperature=0.0)
+
+
+@pytest.mark.parametrize("rule", sorted(VERIFIERS))
+def test_batched_spec_joint_law_inside_a_mixed_batch(rule):
+    """The batch-1 joint-law test (test_decoding_exactness) for rows decoded in batches of 10 observed rows plus a
+    greedy and a cooler neighbour with longer prompts."""
+    from tests.unit import test_decoding_exactness as ex
+    from tests.unit.test_decoding_helpers import noisy_copy
+
+    target = micro_llama(32, 1, ex.VOCAB, seed=0, scale=24.0)
+    draft = noisy_copy(target, 0.6, seed=1)
+    joint = ex.exact_joint(target)
+    num = 300
+    crit = chi2.ppf(1 - ex.DELTA, int((num * joint >= 5).sum()))
+    bs = BatchedSpeculativeDecoder(target, draft, rule=rule, tree=ex.TREE)
+    counts = torch.zeros(ex.VOCAB**3, dtype=torch.long)
+    seed = 1000 * sorted(VERIFIERS).index(rule)
+    for start in range(0, num, 10):
+        rows = [
+            bs.add(
+                ex.PROMPT[0],
+                max_new_tokens=3,
+                eos_token_id=[],
+                generator=torch.Generator().manual_seed(seed + i),
+                **ex.SETTINGS,
+            )
+            for i in range(start, start + 10)
+        ]
+        bs.add([1, 2, 3, 4], max_new_tokens=5, temperature=0.0, eos_token_id=[])
+        bs.add(
+            [5, 6],
+            max_new_tokens=4,
+            temperature=0.5,
+            eos_token_id=[],
+            generator=torch.Generator().manual_seed(start),
+        )
+        while bs.rows:
+            bs.step()
+        for row in rows:
+            a, b, c = row.generated
+            counts[(a * ex.VOCAB + b) * ex.VOCAB + c] += 1
+    stat, df = ex.pearson(counts.reshape(ex.VOCAB, ex.VOCAB, ex.VOCAB), joint, num)
+    assert stat < crit, f"{rule}: X^2 = {stat:.1f} >= {crit:.1f} (df {df}) inside a mixed batch"
