@@ -404,8 +404,12 @@ class BatchedSpeculativeDecoder:
         return process_logits(logits[..., : self.vocab_size], **settings)
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[BatchRow, list[int]]]:
-        """One speculative step for every row -> [(row, its emitted tokens)]; finished rows leave the batch."""
+    def step(self, draft: bool = True) -> list[tuple[BatchRow, list[int]]]:
+        """One speculative step for every row -> [(row, its emitted tokens)]; finished rows leave the batch.
+
+        draft=False: a plain autoregressive step (no draft forward, a one-token verify per row; the tokens the
+        draft has not seen pile up in each row's `pending` and are fed with the next drafting step), so the caller
+        can switch speculation off and on between steps (by load) without leaving exactness."""
         from resispec.decoding.engine import GREEDY_TOPK, SpeculativeDecoder
         from resispec.decoding.tree import DraftTree
 
@@ -420,76 +424,80 @@ class BatchedSpeculativeDecoder:
             dict(temperature=1.0, top_k=0, top_p=1.0) if g else r.settings
             for r, g in zip(rows, greedy_tk, strict=True)
         ]
-        lims = [min(len(shape), r.max_new_tokens - len(r.generated) - 1) for r in rows]
+        lims = [min(len(shape), r.max_new_tokens - len(r.generated) - 1) if draft else 0 for r in rows]
         trees = [DraftTree(r.root, self.max_nodes) for r in rows]
         proposals: list[list] = [[] for _ in rows]
         fed = [0] * nb  # deepest tree level each row's draft has processed
         node_col: list[dict[int, int]] = [{} for _ in rows]  # tree node -> draft cache column, this step
 
-        # ---- draft, depth 0: every row's pending committed tokens (right-padded)
-        width = max(len(r.pending) for r in rows)
-        ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
-        pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
-        new_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
-        for b, r in enumerate(rows):
-            n = len(r.pending)
-            ids[b, :n] = torch.tensor(r.pending, device=dev)
-            pos[b, :n] = torch.arange(r.length + 1 - n, r.length + 1, device=dev)
-            new_valid[b, :n] = True
-        allowed = self.dcache.allowed(width)
-        t_old = self.dcache.num_cols
-        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
-        allowed[:, :, t_old:] = (causal[None] & new_valid[:, None, :]) | torch.eye(
-            width, dtype=torch.bool, device=dev
-        )[None]
-        logits = forward_logits(
-            self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self.draft.dtype)
-        )
-        self.dcache.append(new_valid)
-        qs = [
-            self._probs(logits[b, len(r.pending) - 1 : len(r.pending)], q_set[b]) for b, r in enumerate(rows)
-        ]
-        growing = [lim > 0 for lim in lims]
-        for depth in range(1, len(shape) + 1):
-            feed = []  # (row, level) pairs the draft processes at this depth
-            for b, r in enumerate(rows):
-                if not growing[b] or depth > lims[b]:
-                    growing[b] = False
-                    continue
-                proposal = rules[b].propose(qs[b], shape[depth - 1], r.generator)
-                level = trees[b].add_level(proposal.tokens.tolist())
-                if len(level) == 0:
-                    growing[b] = False
-                    continue
-                proposals[b].append(proposal)
-                if depth < lims[b]:
-                    feed.append((b, level))
-                else:
-                    growing[b] = False
-            if not feed:
-                break
-            width = max(len(level) for _, level in feed)
-            t_old = self.dcache.num_cols
+        if draft:
+            # ---- draft, depth 0: every row's pending committed tokens (right-padded)
+            width = max(len(r.pending) for r in rows)
             ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
             pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
+            new_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
+            for b, r in enumerate(rows):
+                n = len(r.pending)
+                ids[b, :n] = torch.tensor(r.pending, device=dev)
+                pos[b, :n] = torch.arange(r.length + 1 - n, r.length + 1, device=dev)
+                new_valid[b, :n] = True
             allowed = self.dcache.allowed(width)
-            allowed[:, :, t_old:] = torch.eye(width, dtype=torch.bool, device=dev)[None]  # a node sees itself
-            for b, level in feed:
-                tree, n = trees[b], len(level)
-                ids[b, :n] = torch.tensor(tree.tokens[level.start : level.stop], device=dev)
-                pos[b, :n] = rows[b].length + depth
-                anc = tree.mask(level, range(1, level.start))  # [n, earlier non-root nodes]
-                for j in range(1, level.start):
-                    allowed[b, :n, node_col[b][j]] |= anc[:, j - 1].to(dev)
+            t_old = self.dcache.num_cols
+            causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+            allowed[:, :, t_old:] = (causal[None] & new_valid[:, None, :]) | torch.eye(
+                width, dtype=torch.bool, device=dev
+            )[None]
             logits = forward_logits(
                 self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self.draft.dtype)
             )
-            self.dcache.append(torch.zeros(nb, width, dtype=torch.bool, device=dev))
-            for b, level in feed:
-                for i, node in enumerate(level):
-                    node_col[b][node] = t_old + i
-                qs[b] = self._probs(logits[b, : len(level)], q_set[b])
-                fed[b] = depth
+            self.dcache.append(new_valid)
+            qs = [
+                self._probs(logits[b, len(r.pending) - 1 : len(r.pending)], q_set[b])
+                for b, r in enumerate(rows)
+            ]
+            growing = [lim > 0 for lim in lims]
+            for depth in range(1, len(shape) + 1):
+                feed = []  # (row, level) pairs the draft processes at this depth
+                for b, r in enumerate(rows):
+                    if not growing[b] or depth > lims[b]:
+                        growing[b] = False
+                        continue
+                    proposal = rules[b].propose(qs[b], shape[depth - 1], r.generator)
+                    level = trees[b].add_level(proposal.tokens.tolist())
+                    if len(level) == 0:
+                        growing[b] = False
+                        continue
+                    proposals[b].append(proposal)
+                    if depth < lims[b]:
+                        feed.append((b, level))
+                    else:
+                        growing[b] = False
+                if not feed:
+                    break
+                width = max(len(level) for _, level in feed)
+                t_old = self.dcache.num_cols
+                ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
+                pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
+                allowed = self.dcache.allowed(width)
+                allowed[:, :, t_old:] = torch.eye(width, dtype=torch.bool, device=dev)[
+                    None
+                ]  # a node sees itself
+                for b, level in feed:
+                    tree, n = trees[b], len(level)
+                    ids[b, :n] = torch.tensor(tree.tokens[level.start : level.stop], device=dev)
+                    pos[b, :n] = rows[b].length + depth
+                    anc = tree.mask(level, range(1, level.start))  # [n, earlier non-root nodes]
+                    for j in range(1, level.start):
+                        allowed[b, :n, node_col[b][j]] |= anc[:, j - 1].to(dev)
+                logits = forward_logits(
+                    self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self.draft.dtype)
+                )
+                self.dcache.append(torch.zeros(nb, width, dtype=torch.bool, device=dev))
+                for b, level in feed:
+                    for i, node in enumerate(level):
+                        node_col[b][node] = t_old + i
+                    qs[b] = self._probs(logits[b, : len(level)], q_set[b])
+                    fed[b] = depth
         t1 = time.perf_counter()
 
         # ---- verify: ONE target forward over every row's root and tree nodes
@@ -519,20 +527,23 @@ class BatchedSpeculativeDecoder:
             for n in accepted:
                 if tree.depths[n] <= fed[b]:
                     self.dcache.valid[b, node_col[b][n]] = True
-            r.pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed[b]] + [run[-1]]
             r.length += len(accepted) + 1
             r.root = run[-1]
             s = r.stats
-            s.num_drafts += 1
-            s.num_draft_tokens += tree.num_nodes - 1
-            s.num_accepted_tokens += len(accepted)
-            for j in range(min(len(accepted) + 1, tree.depth)):
-                s.reached_per_position[j] += 1
-                s.accepted_per_position[j] += int(j < len(accepted))
             s.target_forwards += 1
-            s.draft_forwards += 1 + fed[b]
-            s.draft_seconds += t1 - t0
             s.target_seconds += t2 - t1
+            if not draft:
+                r.pending.append(run[-1])
+            else:
+                r.pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed[b]] + [run[-1]]
+                s.num_drafts += 1
+                s.num_draft_tokens += tree.num_nodes - 1
+                s.num_accepted_tokens += len(accepted)
+                for j in range(min(len(accepted) + 1, tree.depth)):
+                    s.reached_per_position[j] += 1
+                    s.accepted_per_position[j] += int(j < len(accepted))
+                s.draft_forwards += 1 + fed[b]
+                s.draft_seconds += t1 - t0
             chunk = []
             for tok in run:
                 chunk.append(tok)

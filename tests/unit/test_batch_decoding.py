@@ -237,3 +237,16 @@ def test_batched_spec_joint_law_inside_a_mixed_batch(rule):
             counts[(a * ex.VOCAB + b) * ex.VOCAB + c] += 1
     stat, df = ex.pearson(counts.reshape(ex.VOCAB, ex.VOCAB, ex.VOCAB), joint, num)
     assert stat < crit, f"{rule}: X^2 = {stat:.1f} >= {crit:.1f} (df {df}) inside a mixed batch"
+
+
+def test_batched_spec_switches_speculation_off_and_on_between_steps(setup):
+    _, ar, prompts = setup
+    _, bs = _spec(setup, tree=(3, 2, 1))
+    rows = [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts]
+    step = 0
+    while bs.rows:
+        bs.step(draft=step % 3 != 1)  # AR every third step: the draft catches up on its pending tokens
+        step += 1
+    for row, prompt in zip(rows, prompts, strict=True):
+        assert row.generated == _alone(ar, prompt, temperature=0.0)
+        assert row.stats.num_drafts < row.stats.target_forwards - 1  # some steps were autoregressive
