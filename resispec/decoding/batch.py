@@ -404,12 +404,13 @@ class BatchedSpeculativeDecoder:
         return process_logits(logits[..., : self.vocab_size], **settings)
 
     @torch.inference_mode()
-    def step(self, draft: bool = True) -> list[tuple[BatchRow, list[int]]]:
+    def step(self, draft: bool | Sequence[bool] = True) -> list[tuple[BatchRow, list[int]]]:
         """One speculative step for every row -> [(row, its emitted tokens)]; finished rows leave the batch.
 
-        draft=False: a plain autoregressive step (no draft forward, a one-token verify per row; the tokens the
-        draft has not seen pile up in each row's `pending` and are fed with the next drafting step), so the caller
-        can switch speculation off and on between steps (by load) without leaving exactness."""
+        draft: one flag for all rows or one per row. A row with False takes a plain autoregressive step (a
+        one-token verify); when no row drafts there is no draft forward at all and the tokens the draft has not
+        seen pile up in each row's `pending`, fed with the next drafting step. So the caller can switch
+        speculation off and on between steps (by load) without leaving exactness."""
         from resispec.decoding.engine import GREEDY_TOPK, SpeculativeDecoder
         from resispec.decoding.tree import DraftTree
 
@@ -424,7 +425,12 @@ class BatchedSpeculativeDecoder:
             dict(temperature=1.0, top_k=0, top_p=1.0) if g else r.settings
             for r, g in zip(rows, greedy_tk, strict=True)
         ]
-        lims = [min(len(shape), r.max_new_tokens - len(r.generated) - 1) if draft else 0 for r in rows]
+        flags = [draft] * nb if isinstance(draft, bool) else list(draft)
+        lims = [
+            min(len(shape), r.max_new_tokens - len(r.generated) - 1) if f else 0
+            for r, f in zip(rows, flags, strict=True)
+        ]
+        draft = any(flags)  # whether the draft runs this step (it then takes every row's pending tokens)
         trees = [DraftTree(r.root, self.max_nodes) for r in rows]
         proposals: list[list] = [[] for _ in rows]
         fed = [0] * nb  # deepest tree level each row's draft has processed
@@ -536,6 +542,7 @@ class BatchedSpeculativeDecoder:
                 r.pending.append(run[-1])
             else:
                 r.pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed[b]] + [run[-1]]
+            if flags[b]:
                 s.num_drafts += 1
                 s.num_draft_tokens += tree.num_nodes - 1
                 s.num_accepted_tokens += len(accepted)

@@ -245,7 +245,10 @@ def test_batched_spec_switches_speculation_off_and_on_between_steps(setup):
     rows = [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts]
     step = 0
     while bs.rows:
-        bs.step(draft=step % 3 != 1)  # AR every third step: the draft catches up on its pending tokens
+        if step % 2:  # per-row flags: some rows draft, others take an AR step
+            bs.step(draft=[(step + b) % 3 != 1 for b in range(len(bs.rows))])
+        else:  # every row AR every third step: no draft forward, the draft catches up later
+            bs.step(draft=step % 3 != 1)
         step += 1
     for row, prompt in zip(rows, prompts, strict=True):
         assert row.generated == _alone(ar, prompt, temperature=0.0)
