@@ -299,6 +299,9 @@ class _HoleyCache:
         if first > 0:
             trim_cache_left(self.cache, first)
             self.valid = self.valid[:, first:]
+        if self.num_cols == 0:  # nothing left: start over (a zero-length layer would keep a stale batch size)
+            self.cache = new_cache(self.model)
+            return
         counts = self.valid.sum(1)
         width = int(counts.max()) if counts.numel() else 0
         if self.num_cols > 2 * width + 16:

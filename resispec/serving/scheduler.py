@@ -2,23 +2,19 @@
 request, admitting waiting ones and retiring finished or cancelled ones at step boundaries.
 
 Paths a request can take:
-  batch   a row of the engine's `BatchedDecoder` (batched autoregressive decoding, one target forward per step for
-          every row). Used whenever more than one request runs.
-  spec    the batch-1 speculative decoder, for a request that runs ALONE, when the measured cost says it pays (below).
-          When a second request arrives, the speculative request migrates into the batch: its prompt plus the tokens
-          emitted so far are prefilled as a batch row (one prefill) and it continues there with the same generator
-          (greedy and unseeded requests only; a seeded sampled one stays speculative, next to the batch).
+  batch   a row of the engine's batched decoder: `BatchedSpeculativeDecoder` when the engine is speculative (per-row
+          draft trees, one draft forward per depth and ONE target forward per step for every row), `BatchedDecoder`
+          (batched autoregressive) otherwise.
   stream  an engine without a batched decoder (or max_batch_size = 1): one request at a time, the old behaviour.
 
-Adaptive speculation (`server.speculation: auto`; `always` sends every lone request to the speculative path, `never`
-keeps everything on the batch), by measured cost: the scheduler keeps the seconds per emitted token of the last
-COST_WINDOW steps of the speculative path (alone; a step's time over the tokens it emitted, the prefill step
-excluded) and of the batched path with one row, and compares their medians. A lone request goes speculative
-when that path has not been measured yet or measures cheaper; the batched path is measured on the second lone
-request, and every `EXPLORE_EVERY`-th lone request takes the losing path to re-measure it. Above one running request the batch always wins on this hardware
-(a tree verify of k nodes costs about a forward of k tokens, which the batch spends on other rows instead).
-A seeded sampled request never changes path once started (a speculative one keeps decoding speculatively next
-to the batch), so with a given seed its tokens depend only on whether it arrived alone, never on its neighbours.
+Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
+decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
+scheduler keeps, per batch size B, the seconds per emitted token of the last COST_WINDOW drafting steps and of the
+last COST_WINDOW autoregressive steps (a step's wall time over the tokens it emitted; the draft's catch-up on the
+tokens it skipped lands on the next drafting step, so it is charged to speculation), and takes the mode with the
+lower median; an unmeasured mode is tried first, and every EXPLORE_EVERY-th step at a batch size takes the losing
+mode to re-measure it. `cost_table()` shows where speculation stops paying. Seeded sampled rows always draft
+(unless `never`), so a seeded request's tokens never depend on its neighbours or the load.
 
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
 (running + 1) x the longest worst-case length (prompt + max_tokens) fits in the budget, so the cache can never
@@ -33,12 +29,12 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-EXPLORE_EVERY = 16  # every so many lone requests, the path that measured slower is measured again
+EXPLORE_EVERY = 16  # every so many steps at a batch size, the mode that measured slower is measured again
 COST_WINDOW = 32  # recent per-token costs kept per path; the policy compares medians
 SPECULATION = ("auto", "always", "never")  # lone requests: by measured cost, always speculative, never
 
@@ -56,12 +52,11 @@ class _Task:
     """One running request."""
 
     job: Any
-    path: str  # "batch" | "spec" | "stream"
+    path: str  # "batch" | "stream"
     generator: Any = None
     row: Any = None  # BatchRow on the batch path
-    stream: Any = None  # token-chunk iterator on the spec/stream paths
+    stream: Any = None  # token-chunk iterator on the stream path
     stats: Any = None
-    generated: list[int] = field(default_factory=list)
 
     @property
     def worst_len(self) -> int:
@@ -69,7 +64,7 @@ class _Task:
 
 
 def _seeded(params) -> bool:
-    """A seeded sampled request: its tokens must not depend on when it moves between paths."""
+    """A seeded sampled request: it always drafts, so its tokens never depend on the load."""
     return params.seed is not None and params.temperature > 0
 
 
@@ -92,8 +87,9 @@ class Scheduler:
         self.max_batch_size = max_batch_size if self.batched is not None else 1
         self.kv_budget, self.max_queue = kv_budget, max_queue
         self.speculative = bool(getattr(engine, "speculative", False))
-        self.samples: dict[str, deque] = {k: deque(maxlen=COST_WINDOW) for k in ("spec", "batch1")}
-        self.num_lone = 0
+        self.spec_batch = self.batched is not None and getattr(self.batched, "draft", None) is not None
+        self.samples: dict[tuple[str, int], deque] = {}  # (mode, batch size) -> seconds per token
+        self.steps_at: dict[int, int] = {}  # batch size -> steps taken
         self.peak_running = 0  # most requests decoded together so far
         self.waiting: deque = deque()
         self.tasks: list[_Task] = []
@@ -179,35 +175,23 @@ class Scheduler:
                 if not self.waiting or not self._fits(self.waiting[0]):
                     self._gauges()
                     return
-                spec = [t for t in self.tasks if t.path == "spec" and not _seeded(t.job.params)]
-                if spec:  # a newcomer: the lone speculative request moves into the batch first
-                    job = None
-                else:
-                    job = self.waiting.popleft()
+                job = self.waiting.popleft()
                 self._gauges()
-            if job is None:
-                self._migrate(spec[0])
-            else:
-                self._start(job, alone=not self.tasks and not self.waiting)
+            self._start(job)
             if busy:
                 return
 
-    def _start(self, job, alone: bool) -> None:
+    def _start(self, job) -> None:
         task = _Task(job=job, path="stream")
         try:
             if self.batched is None:
                 task.stream = self.engine.stream(job.prompt_ids, job.params)
                 task.stats = getattr(self.engine, "last_stats", None)
             else:
+                task.path = "batch"
                 task.generator = self.engine.generator(job.params)
-                if alone and self._use_spec(job):
-                    task.path = "spec"
-                    task.stream = self.engine.stream(job.prompt_ids, job.params, task.generator, True)
-                    task.stats = self.engine.last_stats
-                else:
-                    task.path = "batch"
-                    task.row = self._add_row(task)
-                    task.stats = task.row.stats
+                task.row = self._add_row(task)
+                task.stats = task.row.stats
         except BaseException as exc:
             log.exception("admission failed")
             self._finish(task, exc)
@@ -217,70 +201,32 @@ class Scheduler:
             self._finish(task)
         self._gauges()
 
-    def _use_spec(self, job) -> bool:
-        """The adaptive policy for a lone request (see the module docstring)."""
-        if not self.speculative or self.speculation == "never":
-            return False
-        if self.speculation == "always":
-            return True
-        self.num_lone += 1
-        spec, batch1 = self.cost("spec"), self.cost("batch1")
-        if spec is None:
-            return True
-        if batch1 is None:
-            return False
-        explore = self.num_lone % EXPLORE_EVERY == 0  # now and then, re-measure the path that lost
-        return (spec < batch1) != explore
-
     def _add_row(self, task: _Task):
-        """Prefill `task` (prompt + what it already emitted) as a batch row."""
-        job, engine = task.job, self.engine
-        p, prev = job.params, list(task.generated)
-        check = None
-        if p.stop:
-            from resispec.decoding.stopping import make_stop_string_checker
-
-            stop = make_stop_string_checker(engine.tokenizer, p.stop)
-
-            def check(ids: list[int]) -> bool:
-                return stop(prev + ids)
-
+        """Prefill `task` as a batch row."""
+        p = task.job.params
         return self.batched.add(
-            list(job.prompt_ids) + prev,
-            max_new_tokens=p.max_new_tokens - len(prev),
+            list(task.job.prompt_ids),
+            max_new_tokens=p.max_new_tokens,
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
-            eos_token_id=engine.eos(p),
-            stop_checker=check,
+            eos_token_id=self.engine.eos(p),
+            stop=p.stop or None,
             generator=task.generator,
         )
 
-    def _migrate(self, task: _Task) -> None:
-        """Move the lone speculative request into the batch (one prefill of its prompt + emitted tokens)."""
-        task.stream.close()
-        task.stream, task.path = None, "batch"
-        task.row = self._add_row(task)
-        if task.row.finished:
-            self._finish(task)
-
     def _step(self) -> None:
         for task in [t for t in self.tasks if t.stream is not None]:
-            t0 = time.perf_counter()
             try:
                 chunk = next(task.stream, None)
             except Exception as exc:  # this request fails; the others go on
                 log.exception("generation failed")
                 self._finish(task, exc)
                 continue
-            dt = time.perf_counter() - t0
             if chunk is None:
                 self._finish(task)
                 continue
             if chunk:
-                if task.path == "spec" and task.generated:  # the first chunk also paid the prefill
-                    self._measure("spec", dt / len(chunk))
-                task.generated.extend(chunk)
                 task.job._put(list(chunk))
             if task.job.cancelled.is_set():
                 self._finish(task)
@@ -291,25 +237,55 @@ class Scheduler:
                 self._finish(task)
                 del rows[id(task.row)]
         if rows:
-            t0 = time.perf_counter()
-            out = self.batched.step()
-            if len(out) == 1:
-                self._measure("batch1", time.perf_counter() - t0)
+            out = self._batch_step(rows)
             for row, chunk in out:
                 task = rows[id(row)]
-                task.generated.extend(chunk)
                 task.job._put(list(chunk))
                 if row.finished:
                     self._finish(task)
 
-    def _measure(self, path: str, seconds_per_token: float) -> None:
-        self.samples[path].append(seconds_per_token)
+    def _batch_step(self, rows: dict) -> list:
+        """One step of the batch; on the speculative batch, each row drafts or not as the policy says."""
+        if not self.spec_batch:
+            return self.batched.step()
+        size = len(self.batched.rows)
+        mode = self._choose(size)
+        flags = [
+            self.speculation != "never" and _seeded(rows[id(r)].job.params) or mode for r in self.batched.rows
+        ]
+        t0 = time.perf_counter()
+        out = self.batched.step(flags)
+        tokens = sum(len(chunk) for _, chunk in out)
+        if tokens and all(f == mode for f in flags):  # a pure step measures its mode
+            self._measure(("spec" if mode else "ar", size), (time.perf_counter() - t0) / tokens)
+        return out
 
-    def cost(self, path: str) -> float | None:
-        """Median seconds per emitted token of `path` ("spec": speculative alone; "batch1": the batch with one
-        row) over the recent steps; None before the first measurement."""
-        samples = sorted(self.samples[path])
+    def _choose(self, size: int) -> bool:
+        """Draft this step? The adaptive policy (module docstring)."""
+        if self.speculation != "auto":
+            return self.speculation == "always"
+        spec, ar = self.cost(("spec", size)), self.cost(("ar", size))
+        if spec is None:
+            return True
+        if ar is None:
+            return False
+        self.steps_at[size] = self.steps_at.get(size, 0) + 1
+        explore = self.steps_at[size] % EXPLORE_EVERY == 0  # now and then, re-measure the mode that lost
+        return (spec < ar) != explore
+
+    def _measure(self, key: tuple[str, int], seconds_per_token: float) -> None:
+        self.samples.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds_per_token)
+
+    def cost(self, key: tuple[str, int]) -> float | None:
+        """Median seconds per emitted token of (mode "spec" | "ar", batch size) over its recent steps; None before
+        the first measurement."""
+        samples = sorted(self.samples.get(key, ()))
         return samples[len(samples) // 2] if samples else None
+
+    def cost_table(self) -> dict[int, dict[str, float | None]]:
+        """Batch size -> measured seconds per token of drafting and autoregressive steps (where speculation pays)."""
+        sizes = sorted({size for _, size in self.samples})
+        return {b: {"spec": self.cost(("spec", b)), "ar": self.cost(("ar", b))} for b in sizes}
 
     def _finish(self, task: _Task, error: BaseException | None = None) -> None:
         if task in self.tasks:

@@ -58,9 +58,9 @@ class Engine(Protocol):
 class DecoderEngine:
     """An Engine over `resispec.decoding.SpeculativeDecoder` (speculative) or its AR path (`speculative=False`).
 
-    With `max_batch_size > 1` it also carries a `BatchedDecoder` over the same target (`batched`), which the
-    scheduler uses to decode many requests in one forward per step; `kv_budget` (tokens, None = unbounded) bounds
-    the batch cache; `speculation` (auto | always | never) is the scheduler's policy for a lone request."""
+    With `max_batch_size > 1` it also carries a batched decoder over the same pair (`batched`: speculative or AR
+    as the engine), which the scheduler uses to decode many requests in one target forward per step; `kv_budget` (tokens, None = unbounded) bounds
+    the batch cache; `speculation` (auto | always | never) is the scheduler's per-step drafting policy."""
 
     def __init__(
         self,
@@ -81,9 +81,10 @@ class DecoderEngine:
         self.max_batch_size, self.kv_budget, self.speculation = max_batch_size, kv_budget, speculation
         self.batched = None
         if max_batch_size > 1:
-            from resispec.decoding.batch import BatchedDecoder
+            from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
 
-            self.batched = BatchedDecoder.from_decoder(decoder)
+            batched = BatchedSpeculativeDecoder if speculative else BatchedDecoder
+            self.batched = batched.from_decoder(decoder)
 
     def generator(self, params: SamplingParams) -> torch.Generator:
         """The request's random stream: seeded when it names a seed, fresh entropy otherwise."""

@@ -253,3 +253,19 @@ def test_batched_spec_switches_speculation_off_and_on_between_steps(setup):
     for row, prompt in zip(rows, prompts, strict=True):
         assert row.generated == _alone(ar, prompt, temperature=0.0)
         assert row.stats.num_drafts < row.stats.target_forwards - 1  # some steps were autoregressive
+
+
+def test_batched_spec_draft_cache_emptied_by_a_leaving_row(setup):
+    """The only row with draft-cache tokens leaves while the others have not drafted yet: the emptied cache must
+    take the next rows at their batch size."""
+    _, ar, prompts = setup
+    _, bs = _spec(setup, tree=(2, 1))
+    first = bs.add(prompts[1], max_new_tokens=NEW, temperature=0.0, eos_token_id=[])
+    bs.step()
+    rows = [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts[2:4]]
+    bs.remove(first)
+    rows.append(bs.add(prompts[4], max_new_tokens=NEW, temperature=0.0, eos_token_id=[]))
+    while bs.rows:
+        bs.step(draft=len(bs.rows) < 3)
+    for row, prompt in zip(rows, prompts[2:5], strict=True):
+        assert row.generated == _alone(ar, prompt, temperature=0.0)
