@@ -307,11 +307,13 @@ def write_sweep_report(results: list[LoadTestResult], output_dir: str | Path, ti
 # ---------------------------------------------------------------------------- in-process comparison
 def serving_modes(max_batch_size: int = 16) -> dict[str, dict]:
     """The servers the in-process sweep compares (ServerConfig overrides): today's one-at-a-time server (batch 1,
-    speculative per decode.rule), continuous batching with plain AR, continuous batching with adaptive speculation."""
+    speculative per decode.rule), continuous batching with plain AR steps, with drafting at every step, and with
+    the adaptive per-step policy."""
     return {
         "one-at-a-time": dict(max_batch_size=1),
         "batched AR": dict(max_batch_size=max_batch_size, speculation="never"),
-        "batched + adaptive spec": dict(max_batch_size=max_batch_size, speculation="auto"),
+        "batched spec": dict(max_batch_size=max_batch_size, speculation="always"),
+        "batched adaptive": dict(max_batch_size=max_batch_size, speculation="auto"),
     }
 
 
@@ -338,7 +340,7 @@ def compare_in_process(
     from resispec.serving.config import ServerConfig
     from resispec.serving.server import build_engine
 
-    results = []
+    results, costs = [], {}
     for label, overrides in (modes or serving_modes()).items():
         server = ServerConfig(model_name="resispec", log_level="warning", **overrides)
         engine = build_engine(target, draft, tokenizer, decode, server)
@@ -355,13 +357,32 @@ def compare_in_process(
                     raise RuntimeError(f"the {label!r} server did not start")
                 time.sleep(0.05)
             results += run_load_sweep(f"http://127.0.0.1:{port}", prompts, bench, show=False, label=label)
+            costs[label] = app.state.server.worker.scheduler.cost_table()
         finally:
             uv.should_exit = True
             thread.join(30)
+    lines = [
+        f"| {label} | {b} | "
+        + " | ".join("-" if c[m] is None else f"{1000 * c[m]:.2f}" for m in ("spec", "ar"))
+        + " |"
+        for label, table in costs.items()
+        for b, c in table.items()
+    ]
+    cost_md = "\n".join(
+        [
+            "",
+            "Measured cost per emitted token (ms, median of recent steps) by batch size:",
+            "",
+            "| server | batch size | drafting | autoregressive |",
+            "|---|---|---|---|",
+            *lines,
+        ]
+    )
     if output_dir is not None:
-        write_sweep_report(results, output_dir, title=f"rule {decode.rule}, tree {decode.tree}")
+        md = write_sweep_report(results, output_dir, title=f"rule {decode.rule}, tree {decode.tree}")
+        md.write_text(md.read_text() + cost_md + "\n")
     if show:
-        print(sweep_table(results))
+        print(sweep_table(results) + "\n" + cost_md)
     return results
 
 

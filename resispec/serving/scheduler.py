@@ -9,12 +9,12 @@ Paths a request can take:
 
 Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
 decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
-scheduler keeps, per batch size B, the seconds per emitted token of the last COST_WINDOW drafting steps and of the
-last COST_WINDOW autoregressive steps (a step's wall time over the tokens it emitted; the draft's catch-up on the
-tokens it skipped lands on the next drafting step, so it is charged to speculation), and takes the mode with the
-lower median; an unmeasured mode is tried first, and every EXPLORE_EVERY-th step at a batch size takes the losing
-mode to re-measure it. `cost_table()` shows where speculation stops paying. Seeded sampled rows always draft
-(unless `never`), so a seeded request's tokens never depend on its neighbours or the load.
+scheduler keeps, per batch size (bucketed by powers of two), the seconds per emitted token of the last COST_WINDOW
+drafting steps and of the last COST_WINDOW autoregressive steps (a step's wall time over the tokens it emitted; the
+draft's catch-up on tokens it skipped lands on the next drafting step, so it is charged to speculation), and takes
+the mode with the lower median; an unmeasured mode is tried first, and every EXPLORE_EVERY-th step at a batch size
+takes the losing mode to re-measure it. `cost_table()` shows where speculation stops paying. Seeded sampled rows
+always draft (unless `never`), so a seeded request's tokens never depend on its neighbours or on the load.
 
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
 (running + 1) x the longest worst-case length (prompt + max_tokens) fits in the budget, so the cache can never
@@ -61,6 +61,11 @@ class _Task:
     @property
     def worst_len(self) -> int:
         return len(self.job.prompt_ids) + self.job.params.max_new_tokens
+
+
+def _bucket(size: int) -> int:
+    """Batch sizes share cost measurements by power-of-two bucket (1, 2, 3-4, 5-8, ...): the bucket's top size."""
+    return 1 << max(0, size - 1).bit_length()
 
 
 def _seeded(params) -> bool:
@@ -248,7 +253,7 @@ class Scheduler:
         """One step of the batch; on the speculative batch, each row drafts or not as the policy says."""
         if not self.spec_batch:
             return self.batched.step()
-        size = len(self.batched.rows)
+        size = _bucket(len(self.batched.rows))
         mode = self._choose(size)
         flags = [
             self.speculation != "never" and _seeded(rows[id(r)].job.params) or mode for r in self.batched.rows
@@ -283,7 +288,8 @@ class Scheduler:
         return samples[len(samples) // 2] if samples else None
 
     def cost_table(self) -> dict[int, dict[str, float | None]]:
-        """Batch size -> measured seconds per token of drafting and autoregressive steps (where speculation pays)."""
+        """Batch size bucket -> measured seconds per token of drafting and autoregressive steps (where speculation
+        pays)."""
         sizes = sorted({size for _, size in self.samples})
         return {b: {"spec": self.cost(("spec", b)), "ar": self.cost(("ar", b))} for b in sizes}
 
