@@ -59,8 +59,9 @@ class DecoderEngine:
     """An Engine over `resispec.decoding.SpeculativeDecoder` (speculative) or its AR path (`speculative=False`).
 
     With `max_batch_size > 1` it also carries a batched decoder over the same pair (`batched`: speculative or AR
-    as the engine), which the scheduler uses to decode many requests in one target forward per step; `kv_budget` (tokens, None = unbounded) bounds
-    the batch cache; `speculation` (auto | always | never) is the scheduler's per-step drafting policy."""
+    as the engine), which the scheduler uses to decode many requests in one target forward per step. `kv_budget`
+    (tokens, None = unbounded) bounds the batch cache; `speculation` (auto | always | never) is the scheduler's
+    per-step drafting policy."""
 
     def __init__(
         self,
@@ -98,13 +99,7 @@ class DecoderEngine:
     def eos(self, params: SamplingParams):
         return [] if params.ignore_eos else self.eos_token_id
 
-    def stream(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        generator: torch.Generator | None = None,
-        speculative: bool | None = None,
-    ) -> Iterator[list[int]]:
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
         it = self.decoder.generate_stream(
             torch.tensor([prompt_ids], device=self.device),  # [1, L]
             max_new_tokens=params.max_new_tokens,
@@ -113,8 +108,8 @@ class DecoderEngine:
             top_k=params.top_k,
             eos_token_id=self.eos(params),
             stop=params.stop or None,
-            generator=self.generator(params) if generator is None else generator,
-            speculative=self.speculative if speculative is None else speculative,
+            generator=self.generator(params),
+            speculative=self.speculative,
         )
         self.last_stats = self.decoder.last_stats
         return it
