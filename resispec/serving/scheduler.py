@@ -17,10 +17,10 @@ takes the losing mode to re-measure it. `cost_table()` shows where speculation s
 always draft (unless `never`), so a seeded request's tokens never depend on its neighbours or on the load.
 
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
-(running + 1) x the longest worst-case length (prompt + max_tokens) fits in the budget, so the cache can never
-outgrow it; a request that alone exceeds it is refused (RequestTooLargeError -> 400). A newcomer's prefill runs
-alone between two steps, and at most one per step boundary while others run, so running streams stall for at most
-one prefill.
+(running + 1) x the longest worst-case row fits (prompt + max_tokens; on the speculative batch with room for the
+holes rejected tree nodes leave until a repack), so the cache can never outgrow it; a request that alone exceeds it
+is refused (RequestTooLargeError -> 400). A newcomer's prefill runs alone between two steps, and at most one per
+step boundary while others run, so running streams stall for at most one prefill.
 """
 
 from __future__ import annotations
@@ -57,10 +57,6 @@ class _Task:
     row: Any = None  # BatchRow on the batch path
     stream: Any = None  # token-chunk iterator on the stream path
     stats: Any = None
-
-    @property
-    def worst_len(self) -> int:
-        return len(self.job.prompt_ids) + self.job.params.max_new_tokens
 
 
 def _bucket(size: int) -> int:
@@ -113,7 +109,7 @@ class Scheduler:
         return len(self.tasks)
 
     def enqueue(self, job) -> None:
-        need = len(job.prompt_ids) + job.params.max_new_tokens
+        need = self._columns(job)
         if self.kv_budget is not None and need > self.kv_budget:
             raise RequestTooLargeError(
                 f"prompt + max_tokens = {need} tokens can never fit in the server's KV budget "
@@ -162,12 +158,18 @@ class Scheduler:
         while self.waiting:
             self.waiting.popleft().finish()
 
+    def _columns(self, job) -> int:
+        """Most cache columns the job's row can need: prompt + max_tokens; on the speculative batch, rejected tree
+        nodes leave holes until the cache is repacked (at 2 x the longest row + 16), plus one step's tree."""
+        n = len(job.prompt_ids) + job.params.max_new_tokens
+        return 2 * n + 17 + self.batched.max_nodes if self.spec_batch else n
+
     def _fits(self, job) -> bool:
         if len(self.tasks) >= self.max_batch_size:
             return False
         if self.kv_budget is None:
             return True
-        longest = max([t.worst_len for t in self.tasks] + [len(job.prompt_ids) + job.params.max_new_tokens])
+        longest = max(self._columns(j) for j in [t.job for t in self.tasks] + [job])
         return (len(self.tasks) + 1) * longest <= self.kv_budget
 
     def _admit(self) -> None:

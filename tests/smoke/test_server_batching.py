@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from resispec.decoding.tree import max_tree_nodes
 from resispec.serving.text import decode_ids, encode_text
 
 PROMPTS = ["def main():\n", "import os\n", "class Foo:\n    def ", "for i in range(", "return self.", "x = ["]
@@ -147,8 +148,9 @@ def test_seeded_request_ignores_its_neighbours(serve, one_thread):
 def test_kv_budget_bounds_the_batch(serve, pair, one_thread):
     tok = pair[2]
     need = max(len(encode_text(tok, p)) for p in PROMPTS[:4]) + 12
-    url, sched = serve(max_batch_size=8, kv_budget_tokens=2 * need)
-    too_big = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 2 * need, "temperature": 0}
+    cols = 2 * need + 17 + max_tree_nodes([2, 1])  # a speculative row's worst case (holes before a repack)
+    url, sched = serve(max_batch_size=8, kv_budget_tokens=2 * cols)
+    too_big = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 2 * cols, "temperature": 0}
     r = httpx.post(url + "/v1/completions", json=too_big)
     assert r.status_code == 400 and r.json()["error"]["code"] == "kv_budget_exceeded"
     bodies = [{"model": "m", "prompt": p, "max_tokens": 12, "ignore_eos": True} for p in PROMPTS[:4]]
