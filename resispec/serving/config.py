@@ -15,7 +15,9 @@ class ServerConfig:
     )
     max_queue: int = 64  # requests waiting for the decoding worker; more get 503
     max_batch_size: int = 8  # requests decoded together (continuous batching); 1 = one at a time
-    speculation: str = "auto"  # draft per step: auto (when measured cheaper at this batch size) | always | never
+    speculation: str = (
+        "auto"  # draft per step: auto (when measured cheaper at this batch size) | always | never
+    )
     kv_budget_tokens: int | None = None  # KV bound: rows x longest prompt+max_tokens; null = none
     max_tokens_default: int = 128  # when a request gives no max_tokens (capped by the context left)
     max_model_len: int | None = None  # context length; null = the smaller max_position_embeddings of the pair

@@ -118,6 +118,7 @@ class Scheduler:
         with self._cv:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
+            job.on_cancel = self._gauges
             self.waiting.append(job)
             self._gauges()
             self._cv.notify()
@@ -132,10 +133,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the decode thread
     def _gauges(self) -> None:
+        """vLLM's gauges; a cancelled request no longer counts (it leaves at the next step boundary)."""
         self.peak_running = max(self.peak_running, len(self.tasks))
         if self.metrics is not None:
-            self.metrics.waiting.labels(self.metrics.model_name).set(len(self.waiting))
-            self.metrics.running.labels(self.metrics.model_name).set(len(self.tasks))
+            live = [j for j in list(self.waiting) if not j.cancelled.is_set()]
+            self.metrics.waiting.labels(self.metrics.model_name).set(len(live))
+            live = [t for t in list(self.tasks) if not t.job.cancelled.is_set()]
+            self.metrics.running.labels(self.metrics.model_name).set(len(live))
 
     def _run(self) -> None:
         while True:

@@ -131,10 +131,14 @@ class Job:
         self.error: BaseException | None = None
         self.result: Any = None  # filled by the app (text, token count, finish reason)
         self.submitted = time.perf_counter()
+        self.on_cancel: Any = None  # set by the scheduler
 
     def cancel(self) -> None:
         """Ask the worker to stop this generation (or skip it when still queued). Safe from any thread."""
-        self.cancelled.set()
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            if self.on_cancel is not None:
+                self.on_cancel()  # the gauges stop counting it now, not at the next step boundary
 
     def _put(self, item: Any) -> None:
         try:
