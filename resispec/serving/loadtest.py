@@ -4,9 +4,9 @@ server, not a traffic generator.
 
   run_load_test(url, prompts, bench)     one concurrency level (bench.concurrency)
   run_load_sweep(url, prompts, bench)    every level of bench.concurrencies: table, JSON and plot
-  python -m resispec.serving.loadtest --target DIR --draft DIR
-                                         in-process: the one-at-a-time server, batched AR and batched + adaptive
-                                         speculation on the same requests, swept, one report
+  python -m resispec.serving.loadtest [Hydra overrides of the bench config, e.g. bench.max_new_tokens=32]
+                                         in-process: the one-at-a-time server (AR, speculative) and continuous
+                                         batching (AR, speculative, adaptive) on the same requests, swept, one report
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import asyncio
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -306,10 +306,11 @@ def write_sweep_report(results: list[LoadTestResult], output_dir: str | Path, ti
 
 # ---------------------------------------------------------------------------- in-process comparison
 def serving_modes(max_batch_size: int = 16) -> dict[str, dict]:
-    """The servers the in-process sweep compares (ServerConfig overrides): today's one-at-a-time server (batch 1,
-    speculative per decode.rule), continuous batching with plain AR steps, with drafting at every step, and with
-    the adaptive per-step policy."""
+    """The servers the in-process sweep compares (ServerConfig overrides; `rule` overrides decode.rule): today's
+    one-at-a-time server (batch 1; plain AR, and speculative per decode.rule), and continuous batching with plain
+    AR steps, with drafting at every step, and with the adaptive per-step policy."""
     return {
+        "one-at-a-time AR": dict(max_batch_size=1, rule="ar"),
         "one-at-a-time": dict(max_batch_size=1),
         "batched AR": dict(max_batch_size=max_batch_size, speculation="never"),
         "batched spec": dict(max_batch_size=max_batch_size, speculation="always"),
@@ -342,9 +343,11 @@ def compare_in_process(
 
     results, costs = [], {}
     for label, overrides in (modes or serving_modes()).items():
+        overrides = dict(overrides)
+        dec = replace(decode, rule=overrides.pop("rule", decode.rule))
         server = ServerConfig(model_name="resispec", log_level="warning", **overrides)
-        engine = build_engine(target, draft, tokenizer, decode, server)
-        app = create_app(engine, tokenizer, server, decode, max_model_len=max_model_len)
+        engine = build_engine(target, draft, tokenizer, dec, server)
+        app = create_app(engine, tokenizer, server, dec, max_model_len=max_model_len)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -194,3 +194,20 @@ def test_load_sweep_completes_every_request(serve, micro_world, tmp_path, one_th
         assert r.completion_tokens == r.num_requests * 8
         assert r.latency_p50 <= r.latency_p95
     assert (tmp_path / "sweep.md").exists() and (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_in_process_comparison(pair, tmp_path, one_thread):
+    from resispec.decoding.config import DecodeConfig
+    from resispec.serving.config import BenchConfig
+    from resispec.serving.loadtest import compare_in_process, serving_modes
+
+    target, draft, tok = pair
+    modes = {k: v for k, v in serving_modes(4).items() if k in ("one-at-a-time AR", "batched adaptive")}
+    bench = BenchConfig(concurrencies=[2], num_requests=2, max_new_tokens=6, temperatures=[0.0])
+    decode = DecodeConfig(rule="resispec", tree=[2, 1])
+    results = compare_in_process(
+        target, draft, tok, decode, PROMPTS, bench, modes, max_model_len=256, output_dir=tmp_path, show=False
+    )
+    assert [r.label for r in results] == list(modes)
+    assert all(r.num_ok == 2 and r.num_short == 0 for r in results)
+    assert "batch size" in (tmp_path / "sweep.md").read_text()
