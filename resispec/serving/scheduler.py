@@ -34,7 +34,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-EXPLORE_EVERY = 16  # every so many steps at a batch size, the mode that measured slower is measured again
+EXPLORE_EVERY = 64  # every so many steps at a batch size, the mode that measured slower is measured again
 COST_WINDOW = 32  # recent per-token costs kept per path; the policy compares medians
 SPECULATION = ("auto", "always", "never")  # lone requests: by measured cost, always speculative, never
 
