@@ -4,7 +4,7 @@
   python serve/bench.py +recipe=debug          # the micro pair, a few seconds of work
   python serve/bench.py bench.random_pair=true # a random pair shaped like the tiny world: speed only, no world needed
   python serve/bench.py bench.draft_label=initial "+bench.drafts={distilled: 'outputs/distill/tiny/latest/draft'}"
-  python serve/bench.py --server http://127.0.0.1:8000 bench.concurrency=8 bench.num_requests=64   # load test
+  python serve/bench.py --server http://127.0.0.1:8000 bench.num_requests=32   # load sweep, bench.concurrencies
 
 Outputs go to bench.output_dir, else the Hydra run folder (outputs/bench/<name>/<time>/).
 """
@@ -48,7 +48,7 @@ def main(cfg: DictConfig) -> None:
     if c.bench.server_url:
         from resispec.models.loading import load_tokenizer
         from resispec.serving.bench import load_bench_prompts
-        from resispec.serving.loadtest import run_load_test
+        from resispec.serving.loadtest import run_load_sweep
         from resispec.serving.text import decode_ids
 
         tokenizer = load_tokenizer(c.target, c.world)
@@ -57,7 +57,7 @@ def main(cfg: DictConfig) -> None:
             for p in load_bench_prompts(c.data, tokenizer, c.world, c.bench.num_prompts)
         ]
         api_key = c.server.api_key or os.environ.get("RESISPEC_API_KEY") or None
-        run_load_test(c.bench.server_url, prompts, c.bench, api_key=api_key, output_dir=out_dir)
+        run_load_sweep(c.bench.server_url, prompts, c.bench, api_key=api_key, output_dir=out_dir)
         return
     from resispec.serving.bench import run_bench
 

@@ -101,3 +101,101 @@ def forward_logits(
         logits_to_keep=logits_to_keep,
     )
     return out.logits
+
+
+# ---------------------------------------------------------------------------- batched caches (resispec.decoding.batch)
+# A batched cache holds rows right-aligned: row b's tokens are the last `lengths[b]` of the T columns, the columns
+# before them are padding that `batch_attention_mask` hides. Rows join (merge_cache_row), leave (select_cache_rows)
+# and the padding every row shares is dropped (trim_cache_left), so T stays the longest row's length.
+
+
+def _kv_pairs(cache: DynamicCache):
+    return [(layer.keys, layer.values) for layer in _layers(cache)]
+
+
+def _set_kv(cache: DynamicCache, pairs) -> None:
+    for layer, (keys, values) in zip(cache.layers, pairs, strict=True):
+        layer.keys, layer.values = keys, values
+        layer.device, layer.is_initialized = keys.device, True
+
+
+def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
+    if n <= 0:
+        return t
+    return torch.cat([t.new_zeros(*t.shape[:-2], n, t.shape[-1]), t], dim=-2)
+
+
+def _add_zero_rows(t: torch.Tensor, n: int, front: bool = False) -> torch.Tensor:
+    if n <= 0:
+        return t
+    zeros = t.new_zeros(n, *t.shape[1:])
+    return torch.cat([zeros, t] if front else [t, zeros])
+
+
+def merge_cache_row(cache: DynamicCache, num_rows: int, row_cache: DynamicCache) -> None:
+    """Append `row_cache` (batch 1) as row `num_rows` of `cache` (which holds `num_rows` rows, right-aligned),
+    left-padding whichever side is shorter. Either side may be empty (uninitialised)."""
+    batch, row = _kv_pairs(cache), _kv_pairs(row_cache)
+    if not row:  # the new row holds no tokens yet: it owns only padding columns
+        if batch:
+            _set_kv(cache, [(_add_zero_rows(k, 1), _add_zero_rows(v, 1)) for k, v in batch])
+        return
+    if not batch:  # the existing rows hold no tokens yet: they get padding columns
+        _set_kv(
+            cache,
+            [
+                (_add_zero_rows(k, num_rows, front=True), _add_zero_rows(v, num_rows, front=True))
+                for k, v in row
+            ],
+        )
+        return
+    t_batch, t_row = batch[0][0].shape[-2], row[0][0].shape[-2]
+    _set_kv(
+        cache,
+        [
+            (
+                torch.cat([_pad_left(kb, t_row - t_batch), _pad_left(kr, t_batch - t_row)]),
+                torch.cat([_pad_left(vb, t_row - t_batch), _pad_left(vr, t_batch - t_row)]),
+            )
+            for (kb, vb), (kr, vr) in zip(batch, row, strict=True)
+        ],
+    )
+
+
+def select_cache_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep the batch rows `rows` [R] (in that order)."""
+    for layer in _layers(cache):
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
+
+
+def trim_cache_left(cache: DynamicCache, num: int) -> None:
+    """Drop the first `num` columns (padding that no row uses any more)."""
+    if num > 0:
+        for layer in _layers(cache):
+            layer.keys = layer.keys[..., num:, :]
+            layer.values = layer.values[..., num:, :]
+
+
+def batch_attention_mask(
+    lengths: torch.Tensor, num_cached: int, num_new: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive 4D mask [B, 1, Q, T + Q] for Q new tokens per row after a right-aligned cache of T columns in
+    which row b owns the last lengths[b]: a row sees its own cached tokens and its new tokens causally."""
+    dev = lengths.device
+    col = torch.arange(num_cached + num_new, device=dev)  # [T + Q]
+    q = torch.arange(num_new, device=dev)  # [Q]
+    own = col[None, :] >= (num_cached - lengths)[:, None]  # [B, T + Q]
+    causal = col[None, :] < (num_cached + q + 1)[:, None]  # [Q, T + Q]
+    allowed = own[:, None, :] & causal[None, :, :]  # [B, Q, T + Q]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def gather_cache_columns(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Row b keeps columns index[b] (in that order): index [B, T'] long. Used to repack a batch cache whose rows
+    have holes (rejected tree nodes) into right-aligned rows."""
+    for layer in _layers(cache):
+        k, v = layer.keys, layer.values
+        layer.keys = k.gather(2, index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1]))
+        layer.values = v.gather(2, index[:, None, :, None].expand(-1, v.shape[1], -1, v.shape[-1]))

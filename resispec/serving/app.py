@@ -49,7 +49,14 @@ from resispec.serving.protocol import (
     usage,
 )
 from resispec.serving.text import TextAssembler, decode_ids, encode_chat, encode_text
-from resispec.serving.worker import DecodeWorker, Engine, Job, QueueFullError, SamplingParams
+from resispec.serving.worker import (
+    DecodeWorker,
+    Engine,
+    Job,
+    QueueFullError,
+    RequestTooLargeError,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "RESISPEC_API_KEY"
@@ -270,6 +277,8 @@ class _Server:
                 code="queue_full",
                 headers={"Retry-After": RETRY_AFTER_S},
             ) from exc
+        except RequestTooLargeError as exc:
+            raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from exc
 
     async def run(self, job: Job, stop: list[str]) -> AsyncIterator[tuple[str, int]]:
         """(text delta, tokens in the step) for each decode step, then ("", 0) with the held-back tail; records

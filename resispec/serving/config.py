@@ -13,6 +13,11 @@ class ServerConfig:
     # or env RESISPEC_API_KEY; when set, requests need `Authorization: Bearer <key>`
     api_key: str | None = None
     max_queue: int = 64  # requests waiting for the decoding worker; more get 503
+    max_batch_size: int = 8  # requests decoded together (continuous batching); 1 = one at a time
+    speculation: str = (
+        "auto"  # draft per step: auto (when measured cheaper at this batch size) | always | never
+    )
+    kv_budget_tokens: int | None = None  # KV bound: rows x longest prompt+max_tokens; null = none
     max_tokens_default: int = 128  # when a request gives no max_tokens (capped by the context left)
     max_model_len: int | None = None  # context length; null = the smaller max_position_embeddings of the pair
     max_body_bytes: int = 2 * 1024 * 1024  # larger request bodies get 413 at once (a 128k-token prompt fits)
@@ -48,6 +53,8 @@ class BenchConfig:
     server_url: str | None = None  # load-test a running server instead (localhost only)
     concurrency: int = 8
     num_requests: int = 32
+    concurrencies: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # the load sweep's levels
+    ignore_eos: bool = True  # load test: every request runs to max_tokens, so lost tokens show
     seed: int = 0
     output_dir: str | None = None  # default: the Hydra run folder
     # time a random-weight pair shaped like the tiny world (no built world, random prompts): speed only, tau is noise

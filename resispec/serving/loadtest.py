@@ -1,6 +1,13 @@
 """Load-test a running resispec (or any OpenAI-compatible) server: N concurrent streaming clients, a bounded number
 of requests, p50/p95 latency, time to first token and tokens/s. Localhost only: this is a benchmark of your own
-server, not a traffic generator."""
+server, not a traffic generator.
+
+  run_load_test(url, prompts, bench)     one concurrency level (bench.concurrency)
+  run_load_sweep(url, prompts, bench)    every level of bench.concurrencies: table, JSON and plot
+  python -m resispec.serving.loadtest [Hydra overrides of the bench config, e.g. bench.max_new_tokens=32]
+                                         in-process: the one-at-a-time server (AR, speculative) and continuous
+                                         batching (AR, speculative, adaptive) on the same requests, swept, one report
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ import asyncio
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -38,6 +45,8 @@ class LoadTestResult:
     ttft_p50: float
     ttft_p95: float
     server_tau: float | None  # 1 + accepted / drafts from the server's /metrics, this test only
+    num_short: int = 0  # completed with fewer tokens than max_tokens although ignore_eos was sent
+    label: str = ""
 
 
 def check_local(url: str) -> None:
@@ -81,6 +90,8 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if bench.ignore_eos:
+        body["ignore_eos"] = True
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -101,10 +112,16 @@ async def _one(
 
 
 async def _load_test(
-    url: str, prompts: list[str], bench: BenchConfig, api_key: str | None, model: str | None
+    url: str,
+    prompts: list[str],
+    bench: BenchConfig,
+    api_key: str | None,
+    model: str | None,
+    concurrency: int,
+    num_requests: int,
 ) -> LoadTestResult:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=bench.concurrency + 2)
+    limits = httpx.Limits(max_connections=concurrency + 2)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
         if model is None:
             r = await client.get("/v1/models")
@@ -112,7 +129,7 @@ async def _load_test(
             model = r.json()["data"][0]["id"]
         metrics_before = (await client.get("/metrics")).text
         temperature = bench.temperatures[0] if bench.temperatures else 1.0
-        sem = asyncio.Semaphore(bench.concurrency)
+        sem = asyncio.Semaphore(concurrency)
         results: list[tuple[float, float, int]] = []
         failures: list[str] = []
 
@@ -128,7 +145,7 @@ async def _load_test(
                     failures.append(str(exc))
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(i) for i in range(bench.num_requests)))
+        await asyncio.gather(*(worker(i) for i in range(num_requests)))
         wall = time.perf_counter() - t0
         d0, a0 = _spec_counters(metrics_before)
         d1, a1 = _spec_counters((await client.get("/metrics")).text)
@@ -138,8 +155,8 @@ async def _load_test(
     return LoadTestResult(
         url=url,
         model=model,
-        concurrency=bench.concurrency,
-        num_requests=bench.num_requests,
+        concurrency=concurrency,
+        num_requests=num_requests,
         num_ok=len(results),
         num_failed=len(failures),
         temperature=temperature,
@@ -153,7 +170,16 @@ async def _load_test(
         ttft_p50=percentile(ttfts, 50),
         ttft_p95=percentile(ttfts, 95),
         server_tau=1 + (a1 - a0) / (d1 - d0) if d1 > d0 else None,
+        num_short=sum(r[2] < bench.max_new_tokens for r in results) if bench.ignore_eos else 0,
     )
+
+
+def _check(url: str, prompts: list[str], bench: BenchConfig) -> None:
+    check_local(url)
+    if not prompts:
+        raise ValueError("the load test needs at least one prompt")
+    if bench.num_requests < 1 or bench.concurrency < 1 or any(c < 1 for c in bench.concurrencies):
+        raise ValueError("bench.num_requests and the concurrency levels must be >= 1")
 
 
 def run_load_test(
@@ -165,13 +191,11 @@ def run_load_test(
     output_dir: str | Path | None = None,
     show: bool = True,
 ) -> LoadTestResult:
-    """Load-test the server at `url` (localhost only) and write report.md / report.json into output_dir."""
-    check_local(url)
-    if not prompts:
-        raise ValueError("the load test needs at least one prompt")
-    if bench.num_requests < 1 or bench.concurrency < 1:
-        raise ValueError("bench.num_requests and bench.concurrency must be >= 1")
-    res = asyncio.run(_load_test(url.rstrip("/"), prompts, bench, api_key, model))
+    """Load-test the server at `url` (localhost only) at bench.concurrency; report.md / report.json in output_dir."""
+    _check(url, prompts, bench)
+    res = asyncio.run(
+        _load_test(url.rstrip("/"), prompts, bench, api_key, model, bench.concurrency, bench.num_requests)
+    )
     rows = [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in asdict(res).items()]
     if output_dir is not None:
         out = Path(output_dir)
@@ -192,3 +216,214 @@ def run_load_test(
             table.add_row(k, v)
         Console().print(table)
     return res
+
+
+def run_load_sweep(
+    url: str,
+    prompts: list[str],
+    bench: BenchConfig,
+    api_key: str | None = None,
+    model: str | None = None,
+    output_dir: str | Path | None = None,
+    show: bool = True,
+    label: str = "server",
+) -> list[LoadTestResult]:
+    """One load test per level of bench.concurrencies (each max(num_requests, level) requests, the same prompts and
+    seeds); writes the sweep table, JSON and plot into output_dir."""
+    _check(url, prompts, bench)
+    results = []
+    for level in bench.concurrencies:
+        res = asyncio.run(
+            _load_test(url.rstrip("/"), prompts, bench, api_key, model, level, max(bench.num_requests, level))
+        )
+        res.label = label
+        results.append(res)
+    if output_dir is not None:
+        write_sweep_report(results, output_dir)
+    if show:
+        print(sweep_table(results))
+    return results
+
+
+SWEEP_COLUMNS = (
+    ("label", "server", "{}"),
+    ("concurrency", "clients", "{}"),
+    ("num_ok", "ok", "{}"),
+    ("num_failed", "failed", "{}"),
+    ("num_short", "short", "{}"),
+    ("tokens_per_second", "tok/s", "{:.1f}"),
+    ("ttft_p50", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p95", "TTFT p95 s", "{:.3f}"),
+    ("latency_p50", "e2e p50 s", "{:.3f}"),
+    ("latency_p95", "e2e p95 s", "{:.3f}"),
+    ("server_tau", "tau", "{:.2f}"),
+)
+
+
+def sweep_table(results: list[LoadTestResult]) -> str:
+    """A markdown table, one row per (server, concurrency)."""
+    head = "| " + " | ".join(c[1] for c in SWEEP_COLUMNS) + " |"
+    lines = [head, "|" + "---|" * len(SWEEP_COLUMNS)]
+    for r in results:
+        cells = []
+        for key, _, fmt in SWEEP_COLUMNS:
+            v = getattr(r, key)
+            cells.append("-" if v is None else fmt.format(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_sweep_report(results: list[LoadTestResult], output_dir: str | Path, title: str = "") -> Path:
+    """sweep.md (table), sweep.json and sweep.png (throughput and p95 latency against clients, one line per
+    server) in output_dir; returns the markdown path."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    md = out / "sweep.md"
+    md.write_text(f"# resispec load sweep{': ' + title if title else ''}\n\n{sweep_table(results)}\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for label in dict.fromkeys(r.label for r in results):
+        rs = [r for r in results if r.label == label]
+        xs = [r.concurrency for r in rs]
+        axes[0].plot(xs, [r.tokens_per_second for r in rs], marker="o", label=label)
+        axes[1].plot(xs, [r.latency_p95 for r in rs], marker="o", label=label)
+    for ax, name in zip(axes, ("throughput (tokens/s)", "end-to-end latency p95 (s)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=120)
+    plt.close(fig)
+    return md
+
+
+# ---------------------------------------------------------------------------- in-process comparison
+def serving_modes(max_batch_size: int = 16) -> dict[str, dict]:
+    """The servers the in-process sweep compares (ServerConfig overrides; `rule` overrides decode.rule): today's
+    one-at-a-time server (batch 1; plain AR, and speculative per decode.rule), and continuous batching with plain
+    AR steps, with drafting at every step, and with the adaptive per-step policy."""
+    return {
+        "one-at-a-time AR": dict(max_batch_size=1, rule="ar"),
+        "one-at-a-time": dict(max_batch_size=1),
+        "batched AR": dict(max_batch_size=max_batch_size, speculation="never"),
+        "batched spec": dict(max_batch_size=max_batch_size, speculation="always"),
+        "batched adaptive": dict(max_batch_size=max_batch_size, speculation="auto"),
+    }
+
+
+def compare_in_process(
+    target,
+    draft,
+    tokenizer,
+    decode,
+    prompts: list[str],
+    bench: BenchConfig,
+    modes: dict[str, dict] | None = None,
+    max_model_len: int = 2048,
+    output_dir: str | Path | None = None,
+    show: bool = True,
+) -> list[LoadTestResult]:
+    """Serve the loaded pair once per mode (uvicorn in a thread on a free localhost port, one at a time) and sweep
+    each with the same requests; one table and plot for all."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from resispec.serving.app import create_app
+    from resispec.serving.config import ServerConfig
+    from resispec.serving.server import build_engine
+
+    results, costs = [], {}
+    for label, overrides in (modes or serving_modes()).items():
+        overrides = dict(overrides)
+        dec = replace(decode, rule=overrides.pop("rule", decode.rule))
+        server = ServerConfig(model_name="resispec", log_level="warning", **overrides)
+        engine = build_engine(target, draft, tokenizer, dec, server)
+        app = create_app(engine, tokenizer, server, dec, max_model_len=max_model_len)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=uv.run, daemon=True)
+        thread.start()
+        try:
+            while not uv.started:
+                if not thread.is_alive():
+                    raise RuntimeError(f"the {label!r} server did not start")
+                time.sleep(0.05)
+            results += run_load_sweep(f"http://127.0.0.1:{port}", prompts, bench, show=False, label=label)
+            costs[label] = app.state.server.worker.scheduler.cost_table()
+        finally:
+            uv.should_exit = True
+            thread.join(30)
+    lines = [
+        f"| {label} | {b} | "
+        + " | ".join("-" if c[m] is None else f"{1000 * c[m]:.2f}" for m in ("spec", "ar"))
+        + " |"
+        for label, table in costs.items()
+        for b, c in table.items()
+    ]
+    cost_md = "\n".join(
+        [
+            "",
+            "Measured cost per emitted token (ms, median of recent steps) by batch size:",
+            "",
+            "| server | batch size | drafting | autoregressive |",
+            "|---|---|---|---|",
+            *lines,
+        ]
+    )
+    if output_dir is not None:
+        md = write_sweep_report(results, output_dir, title=f"rule {decode.rule}, tree {decode.tree}")
+        md.write_text(md.read_text() + cost_md + "\n")
+    if show:
+        print(sweep_table(results) + "\n" + cost_md)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m resispec.serving.loadtest [hydra overrides of the `bench` config]: the in-process comparison on
+    the configured pair (world, target, draft, decode), held-out prompts; the report goes to bench.output_dir."""
+    import sys
+
+    from hydra import compose, initialize_config_dir
+
+    from resispec.config import register_configs, to_typed
+    from resispec.models import load_pair
+    from resispec.serving.bench import load_bench_prompts
+    from resispec.serving.server import context_length
+    from resispec.serving.text import decode_ids
+
+    register_configs()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="bench", overrides=sys.argv[1:] if argv is None else argv)
+    c = to_typed(cfg)
+    target, draft, tokenizer = load_pair(c.target, c.draft, c.world)
+    prompts = [
+        decode_ids(tokenizer, p) for p in load_bench_prompts(c.data, tokenizer, c.world, c.bench.num_prompts)
+    ]
+    out = c.bench.output_dir or "outputs/loadtest"
+    compare_in_process(
+        target,
+        draft,
+        tokenizer,
+        c.decode,
+        prompts,
+        c.bench,
+        max_model_len=context_length(target, draft, c.server),
+        output_dir=out,
+    )
+    print(f"report: {out}/sweep.md, {out}/sweep.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -28,8 +28,9 @@ def context_length(target, draft, server: ServerConfig) -> int:
     return min(lengths) if lengths else 2048
 
 
-def build_engine(target, draft, tokenizer, decode: DecodeConfig):
-    """A DecoderEngine for the loaded pair under the `decode` settings (rule `ar` serves the target alone)."""
+def build_engine(target, draft, tokenizer, decode: DecodeConfig, server: ServerConfig | None = None):
+    """A DecoderEngine for the loaded pair under the `decode` settings (rule `ar` serves the target alone);
+    `server` sets continuous batching (max_batch_size, kv_budget_tokens, speculation)."""
 
     speculative = decode.rule not in AR_RULES
     decoder = SpeculativeDecoder(
@@ -42,7 +43,15 @@ def build_engine(target, draft, tokenizer, decode: DecodeConfig):
         tokenizer=tokenizer,
         compile=decode.compile,
     )
-    return DecoderEngine(decoder, tokenizer, speculative=speculative)
+    server = server or ServerConfig(max_batch_size=1)
+    return DecoderEngine(
+        decoder,
+        tokenizer,
+        speculative=speculative,
+        max_batch_size=server.max_batch_size,
+        kv_budget=server.kv_budget_tokens,
+        speculation=server.speculation,
+    )
 
 
 def build_app(
@@ -55,16 +64,17 @@ def build_app(
     """Load the pair named by the configs and return the FastAPI app serving it."""
 
     target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
-    engine = build_engine(target, draft, tokenizer, decode)
+    engine = build_engine(target, draft, tokenizer, decode, server)
     max_len = context_length(target, draft, server)
     log.info(
-        "serving %s (target %s, draft %s) rule=%s tree=%s, context %d",
+        "serving %s (target %s, draft %s) rule=%s tree=%s, context %d, max batch %d",
         server.model_name,
         target_cfg.path,
         draft_cfg.path,
         decode.rule,
         decode.tree,
         max_len,
+        server.max_batch_size,
     )
     return create_app(engine, tokenizer, server, decode, max_model_len=max_len)
 

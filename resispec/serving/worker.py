@@ -1,15 +1,15 @@
 """The decoding side of the server: an `Engine` (anything that streams token ids) and ONE worker thread.
 
-Requests queue to the worker; the event loop never runs model code. The worker runs one generation at a time
-(the decoder is batch 1), hands each step's new tokens to the request's asyncio queue, and checks the request's
-cancel flag between steps, so a client that goes away frees the worker within one decode step.
+Requests queue to the worker; the event loop never runs model code. `DecodeWorker` is a thin adapter over
+`resispec.serving.scheduler.Scheduler`, which batches requests continuously (an engine with a `batched` decoder) or
+runs them one at a time (any other Engine), hands each step's new tokens to the request's asyncio queue, and checks
+the request's cancel flag between steps, so a client that goes away frees its slot within one decode step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -18,7 +18,17 @@ from typing import Any, Protocol
 
 import torch
 
-from resispec.serving.logprobs import start_scoring
+from resispec.serving.scheduler import QueueFullError, RequestTooLargeError, Scheduler
+
+__all__ = [
+    "DecodeWorker",
+    "DecoderEngine",
+    "Engine",
+    "Job",
+    "QueueFullError",
+    "RequestTooLargeError",
+    "SamplingParams",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +58,22 @@ class Engine(Protocol):
 
 
 class DecoderEngine:
-    """An Engine over `resispec.decoding.SpeculativeDecoder` (speculative) or its AR path (`speculative=False`)."""
+    """An Engine over `resispec.decoding.SpeculativeDecoder` (speculative) or its AR path (`speculative=False`).
 
-    def __init__(self, decoder, tokenizer, speculative: bool = True) -> None:
+    With `max_batch_size > 1` it also carries a batched decoder over the same pair (`batched`: speculative or AR
+    as the engine), which the scheduler uses to decode many requests in one target forward per step. `kv_budget`
+    (tokens, None = unbounded) bounds the batch cache; `speculation` (auto | always | never) is the scheduler's
+    per-step drafting policy."""
+
+    def __init__(
+        self,
+        decoder,
+        tokenizer,
+        speculative: bool = True,
+        max_batch_size: int = 1,
+        kv_budget: int | None = None,
+        speculation: str = "auto",
+    ) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.speculative = speculative
@@ -58,30 +81,40 @@ class DecoderEngine:
         eos = getattr(getattr(decoder.target, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else tokenizer.eos_token_id
         self.last_stats = None
+        self.max_batch_size, self.kv_budget, self.speculation = max_batch_size, kv_budget, speculation
+        self.batched = None
+        if max_batch_size > 1:
+            from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
+            batched = BatchedSpeculativeDecoder if speculative else BatchedDecoder
+            self.batched = batched.from_decoder(decoder)
+
+    def generator(self, params: SamplingParams) -> torch.Generator:
+        """The request's random stream: seeded when it names a seed, fresh entropy otherwise."""
         generator = torch.Generator(device=self.device)
         if params.seed is not None:
             generator.manual_seed(params.seed)
         else:
-            generator.seed()  # fresh entropy per request
+            generator.seed()
+        return generator
+
+    def eos(self, params: SamplingParams):
+        return [] if params.ignore_eos else self.eos_token_id
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
         it = self.decoder.generate_stream(
             torch.tensor([prompt_ids], device=self.device),  # [1, L]
             max_new_tokens=params.max_new_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
-            eos_token_id=[] if params.ignore_eos else self.eos_token_id,
+            eos_token_id=self.eos(params),
             stop=params.stop or None,
-            generator=generator,
+            generator=self.generator(params),
             speculative=self.speculative,
         )
         self.last_stats = self.decoder.last_stats
         return it
-
-
-class QueueFullError(RuntimeError):
-    pass
 
 
 _DONE = object()
@@ -102,16 +135,24 @@ class Job:
         self.logprobs: list = []  # TokenLogprob per emitted token, extended before each chunk is put
         self.prompt_logprobs: list | None = None  # with echo: set before the first chunk or the end is put
         self.submitted = time.perf_counter()
+        self.on_cancel: Any = None  # set by the scheduler
 
     def cancel(self) -> None:
         """Ask the worker to stop this generation (or skip it when still queued). Safe from any thread."""
-        self.cancelled.set()
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            if self.on_cancel is not None:
+                self.on_cancel()  # the gauges stop counting it now, not at the next step boundary
 
     def _put(self, item: Any) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
         except RuntimeError:  # the loop is gone (server shutting down): nobody is listening
             self.cancel()
+
+    def finish(self) -> None:
+        """The generation is over (done, cancelled or failed): end the request's chunk stream."""
+        self._put(_DONE)
 
     async def chunks(self) -> AsyncIterator[list[int]]:
         """Async iterator over token chunks; raises the worker's error, if any, at the end."""
@@ -125,78 +166,33 @@ class Job:
 
 
 class DecodeWorker:
-    """One daemon thread running queued Jobs in order on the engine."""
+    """The app's handle on decoding: submit Jobs, read the gauges, close. Scheduling lives in `Scheduler`."""
 
     def __init__(self, engine: Engine, max_queue: int = 64, metrics=None) -> None:
-        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
-        self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self.num_waiting = 0
-        self.num_running = 0
-        self._current: Job | None = None
-        self._thread = threading.Thread(target=self._run, name="resispec-decode", daemon=True)
-        self._thread.start()
+        self.engine = engine
+        self.scheduler = Scheduler(
+            engine,
+            max_batch_size=getattr(engine, "max_batch_size", 1),
+            kv_budget=getattr(engine, "kv_budget", None),
+            speculation=getattr(engine, "speculation", "auto"),
+            max_queue=max_queue,
+            metrics=metrics,
+        )
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Job:
-        with self._lock:
-            if self.num_waiting >= self.max_queue:
-                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
-            self.num_waiting += 1
-            self._gauges()
+        """Queue a generation (QueueFullError when the queue is full, RequestTooLargeError when it can never fit)."""
         job = Job(prompt_ids, params, asyncio.get_running_loop())
-        self._queue.put(job)
+        self.scheduler.enqueue(job)
         return job
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop after the running generation, which is cancelled (server shutdown)."""
-        self._queue.put(None)
-        current = self._current
-        if current is not None:
-            current.cancel()
-        self._thread.join(timeout)
-
-    def _gauges(self) -> None:
-        if self.metrics is not None:
-            self.metrics.waiting.labels(self.metrics.model_name).set(self.num_waiting)
-            self.metrics.running.labels(self.metrics.model_name).set(self.num_running)
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            with self._lock:
-                self.num_waiting -= 1
-                self.num_running = 1
-                self._current = job
-                self._gauges()
-            try:
-                if not job.cancelled.is_set():  # a client that left while queued costs nothing
-                    self._generate(job)
-            except BaseException as exc:  # report to the request, keep serving
-                log.exception("generation failed")
-                job.error = exc
-            finally:
-                with self._lock:
-                    self.num_running = 0
-                    self._current = None
-                    self._gauges()
-                job._put(_DONE)
-
-    def _generate(self, job: Job) -> None:
-        scorer = start_scoring(self.engine, job.prompt_ids, job.params)  # None unless logprobs are asked
-        job.prompt_logprobs = scorer and scorer.prompt
-        it = self.engine.stream(job.prompt_ids, job.params)
-        try:
-            for chunk in it:
-                if chunk:
-                    if scorer is not None:
-                        job.logprobs.extend(scorer.add(chunk))
-                    job._put(list(chunk))
-                if job.cancelled.is_set():
-                    break
-        finally:
-            it.close()  # stops the decoder mid-generation; its stats are final after close
-            job.stats = getattr(self.engine, "last_stats", None)
-            if self.metrics is not None and job.stats is not None:
-                self.metrics.observe_spec(job.stats)
+        """Cancel running and queued generations and stop the thread (server shutdown)."""
+        self.scheduler.close(timeout)

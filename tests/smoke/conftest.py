@@ -42,6 +42,7 @@ def server(micro_world):
         f"server.model_name={MODEL}",
         f"decode.rule={RULE}",
         f"decode.tree=[{','.join(map(str, TREE))}]",
+        "server.speculation=always",  # every step drafts (the spec-decode metrics test needs drafts)
         "server.log_level=warning",
         "hydra.run.dir=" + str(paths.root / "server_run"),
         "logger.wandb.mode=disabled",

@@ -1,0 +1,567 @@
+"""Batched autoregressive decoding (DESIGN.md "Batched decoding and scheduling"): many rows, ONE target forward.
+
+Rows have different prompt lengths, their own sampling settings (temperature, top-p, top-k), stop conditions,
+max tokens and torch.Generator. They join and leave at step boundaries:
+
+  add(prompt, ...)  prefill the new row alone (one batch-1 forward over prompt[:-1], as the batch-1 decoder does),
+                    then merge its cache into the batch cache as a new row.
+  step()            one target forward over every row's pending token; each row samples its own next token with
+                    THE sampling transform (resispec.decoding.sampling) and its own generator, checks its own stops;
+                    finished rows leave the batch.
+  remove(row)       drop a row now (a cancelled request).
+
+Cache layout (resispec.decoding.kv_cache, "batched caches"): one DynamicCache of T columns; rows are right-aligned
+(row b owns the last lengths[b] columns, the padding before them is hidden by a 4D additive mask) and position ids
+are per row, so a row sees exactly what it would see alone. When rows leave, the padding every remaining row shares is
+dropped, so T is always the longest running row's length: memory is bounded by rows x longest row.
+
+Exactness: a greedy row emits the target's greedy tokens (identical to decoding it alone and to HF generate, up to
+floating-point differences between batch shapes); a sampled row draws from process_logits(target logits) with its
+own generator, one multinomial draw per token, exactly as SpeculativeDecoder's AR path does, so a seeded row gives the
+same tokens whatever its neighbours.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from resispec.decoding.kv_cache import (
+    batch_attention_mask,
+    crop_cache,
+    forward_logits,
+    gather_cache_columns,
+    merge_cache_row,
+    new_cache,
+    select_cache_rows,
+    trim_cache_left,
+)
+from resispec.decoding.sampling import process_logits, sample_tokens
+from resispec.decoding.stats import DecodeStats
+from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
+
+
+@dataclass(eq=False)
+class BatchRow:
+    """One sequence of the batch. `generated` grows by one token per step; `finished` once a stop fired."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    settings: dict  # temperature, top_k, top_p
+    eos: frozenset
+    checkers: list[StopChecker]
+    generator: torch.Generator | None
+    generated: list[int] = field(default_factory=list)
+    finished: bool = False
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    root: int = 0  # the last committed token, not yet in the cache
+    length: int = 0  # tokens of this row held in the (target) cache
+    pending: list[int] = field(
+        default_factory=list
+    )  # speculative: committed tokens not yet in the draft cache
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def greedy(self) -> bool:
+        return self.settings["temperature"] <= 0.0
+
+    def emit(self, tok: int) -> bool:
+        """Record one token; True when it ends the row (EOS, stop checker, max tokens)."""
+        self.generated.append(tok)
+        self.stats.num_new_tokens += 1
+        self.finished = (
+            tok in self.eos
+            or len(self.generated) >= self.max_new_tokens
+            or any(c(self.generated) for c in self.checkers)
+        )
+        self.stats.total_seconds = time.perf_counter() - self.started
+        return self.finished
+
+
+class BatchedDecoder:
+    """Batched autoregressive decoding of `target` (an HF causal LM, sdpa or eager attention).
+
+    vocab_size: logits are cut to this size before sampling (the pair's shared vocabulary; default the target's).
+    tokenizer: needed only for stop strings. `from_decoder(dec)` shares a SpeculativeDecoder's target and settings.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        tokenizer=None,
+        vocab_size: int | None = None,
+        forward: Callable | None = None,
+    ) -> None:
+        self.target = target.eval()
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size or target.get_output_embeddings().weight.shape[0]
+        self.device = next(target.parameters()).device
+        self._target_fwd = forward if forward is not None else target
+        self.rows: list[BatchRow] = []
+        self.cache = new_cache(target)
+        self.num_cols = 0  # T: columns of the batch cache
+
+    @classmethod
+    def from_decoder(cls, decoder) -> BatchedDecoder:
+        """The batched AR path of a `SpeculativeDecoder` (same target, vocabulary cut and compiled forward)."""
+        return cls(decoder.target, decoder.tokenizer, decoder.vocab_size, decoder._target_fwd)
+
+    # ------------------------------------------------------------------ rows join and leave
+    @torch.inference_mode()
+    def add(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        eos_token_id: int | Sequence[int] | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_checker: StopChecker | None = None,
+        generator: torch.Generator | None = None,
+    ) -> BatchRow:
+        """Prefill a new row (one forward over prompt[:-1]) and add it to the batch. Settings as
+        SpeculativeDecoder.generate_stream. A row with max_new_tokens <= 0 is returned finished, not added."""
+        prompt = torch.as_tensor(prompt_ids).reshape(-1).tolist()
+        if not prompt:
+            raise ValueError("empty prompt")
+        if eos_token_id is None:
+            eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
+        checkers = [c for c in (stop_checker,) if c is not None]
+        if stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need BatchedDecoder(..., tokenizer=...) or a stop_checker")
+            checkers.append(make_stop_string_checker(self.tokenizer, stop))
+        row = BatchRow(
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            settings=dict(temperature=temperature, top_k=top_k, top_p=top_p),
+            eos=normalize_eos(eos_token_id),
+            checkers=checkers,
+            generator=generator,
+            root=prompt[-1],
+            length=len(prompt) - 1,
+        )
+        if max_new_tokens <= 0:
+            row.finished = True
+            return row
+        row_cache = new_cache(self.target)
+        if len(prompt) > 1:
+            t0 = time.perf_counter()
+            ids = torch.tensor([prompt[:-1]], device=self.device)
+            forward_logits(self._target_fwd, ids, row_cache, logits_to_keep=1)
+            row.stats.target_seconds += time.perf_counter() - t0
+            row.stats.target_forwards += 1
+        self._merge(row, row_cache)
+        return row
+
+    def _merge(self, row: BatchRow, row_cache) -> None:
+        """The prefilled row joins the batch cache."""
+        merge_cache_row(self.cache, len(self.rows), row_cache)
+        self.num_cols = max(self.num_cols, row.length)
+        self.rows.append(row)
+
+    def remove(self, row: BatchRow) -> None:
+        """Drop `row` from the batch now (a cancelled request); a row not in the batch is ignored."""
+        self._keep([r for r in self.rows if r is not row])
+
+    def _keep(self, rows: list[BatchRow]) -> None:
+        if len(rows) == len(self.rows):
+            return
+        index = {id(r): i for i, r in enumerate(self.rows)}
+        select_cache_rows(
+            self.cache, torch.tensor([index[id(r)] for r in rows], dtype=torch.long, device=self.device)
+        )
+        self.rows = rows
+        longest = max((r.length for r in rows), default=0)
+        trim_cache_left(self.cache, self.num_cols - longest)  # padding no remaining row needs
+        self.num_cols = longest
+        if not rows:
+            self.cache = new_cache(self.target)
+
+    def reset(self) -> None:
+        """Drop every row (after a failed step)."""
+        self.rows, self.cache, self.num_cols = [], new_cache(self.target), 0
+
+    @property
+    def kv_tokens(self) -> int:
+        """Cache slots held now: rows x columns (padding included)."""
+        return len(self.rows) * self.num_cols
+
+    # ------------------------------------------------------------------ one step for every row
+    @torch.inference_mode()
+    def step(self) -> list[tuple[BatchRow, list[int]]]:
+        """One target forward for all rows -> [(row, [its new token])] for every row that was running; rows that
+        finished (row.finished) have left the batch."""
+        rows = self.rows
+        if not rows:
+            return []
+        t0 = time.perf_counter()
+        dev = self.device
+        lengths = torch.tensor([r.length for r in rows], device=dev)  # [B]
+        ids = torch.tensor([[r.root] for r in rows], device=dev)  # [B, 1]
+        mask = (
+            None  # no padding (every row spans all T columns): the plain causal path, as the batch-1 decoder
+        )
+        if any(r.length != self.num_cols for r in rows):
+            mask = batch_attention_mask(lengths, self.num_cols, 1, self.target.dtype)  # [B, 1, 1, T + 1]
+        logits = forward_logits(self._target_fwd, ids, self.cache, lengths[:, None], mask)[
+            :, -1, : self.vocab_size
+        ]
+        tokens = logits.argmax(dim=-1)  # [B]; sampled rows overwrite theirs
+        for b, row in enumerate(rows):
+            if not row.greedy:
+                tokens[b] = sample_tokens(process_logits(logits[b : b + 1], **row.settings), row.generator)[0]
+        tokens = tokens.tolist()  # the step's one host sync
+        self.num_cols += 1
+        dt = time.perf_counter() - t0
+        out = []
+        for row, tok in zip(rows, tokens, strict=True):
+            row.length += 1
+            row.root = tok
+            row.stats.target_forwards += 1
+            row.stats.target_seconds += dt
+            row.emit(tok)
+            out.append((row, [tok]))
+        self._keep([r for r in rows if not r.finished])
+        return out
+
+    # ------------------------------------------------------------------ convenience
+    def generate(
+        self, prompts: Sequence[Sequence[int]], settings: dict | Sequence[dict] | None = None
+    ) -> list[list[int]]:
+        """Decode `prompts` together to the end -> each row's generated ids. `settings`: add() keyword arguments,
+        one dict for all rows or one per row."""
+        if settings is None or isinstance(settings, dict):
+            settings = [settings or {}] * len(prompts)
+        rows = [self.add(p, **s) for p, s in zip(prompts, settings, strict=True)]
+        while self.rows:
+            self.step()
+        return [r.generated for r in rows]
+
+
+# ---------------------------------------------------------------------------- batched speculative decoding
+class _HoleyCache:
+    """A batch cache whose rows may have holes: `valid` [B, T] marks the columns each row attends to. Tree nodes
+    are appended for every row and only the accepted ones become valid (keys carry their RoPE positions, so a
+    row's valid columns in any order ARE its sequence); padding queries of shorter rows are never valid.
+    Columns no row uses are cropped, and the cache is repacked right-aligned when holes outweigh tokens."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.cache = new_cache(model)
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=next(model.parameters()).device)
+
+    @property
+    def num_cols(self) -> int:
+        return self.valid.shape[1]
+
+    def add_row(self, row_cache, length: int) -> None:
+        """Merge a batch-1 cache holding `length` tokens as a new row (right-aligned)."""
+        merge_cache_row(self.cache, self.valid.shape[0], row_cache)
+        width = max(self.num_cols, length)
+        old = torch.cat([self.valid.new_zeros(self.valid.shape[0], width - self.num_cols), self.valid], 1)
+        new = torch.arange(width, device=self.valid.device) >= width - length
+        self.valid = torch.cat([old, new[None]])
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        select_cache_rows(self.cache, rows)
+        self.valid = self.valid.index_select(0, rows)
+        self.compact()
+
+    def append(self, new_valid: torch.Tensor) -> None:
+        """Record the columns the last forward appended ([B, Q])."""
+        self.valid = torch.cat([self.valid, new_valid], 1)
+
+    def allowed(self, num_new: int) -> torch.Tensor:
+        """[B, Q, T + Q] bool: cached valid columns for every query; the new block is left False (caller fills)."""
+        b = self.valid.shape[0]
+        out = torch.zeros(b, num_new, self.num_cols + num_new, dtype=torch.bool, device=self.valid.device)
+        out[:, :, : self.num_cols] = self.valid[:, None, :]
+        return out
+
+    def compact(self) -> None:
+        """Drop columns no row uses at either end; repack right-aligned when holes exceed the tokens."""
+        if self.valid.shape[0] == 0:
+            self.cache, self.valid = new_cache(self.model), self.valid[:, :0]
+            return
+        used = self.valid.any(0).nonzero()
+        if used.numel() == 0:
+            first, last = self.num_cols, self.num_cols
+        else:
+            first, last = int(used[0]), int(used[-1]) + 1
+        if last < self.num_cols:
+            crop_cache(self.cache, last)
+            self.valid = self.valid[:, :last]
+        if first > 0:
+            trim_cache_left(self.cache, first)
+            self.valid = self.valid[:, first:]
+        if self.num_cols == 0:  # nothing left: start over (a zero-length layer would keep a stale batch size)
+            self.cache = new_cache(self.model)
+            return
+        counts = self.valid.sum(1)
+        width = int(counts.max()) if counts.numel() else 0
+        if self.num_cols > 2 * width + 16:
+            # stable sort puts each row's holes first and its valid columns (in order) last
+            order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:] if width else None
+            if order is None:
+                self.cache, self.valid = new_cache(self.model), self.valid[:, :0]
+                return
+            gather_cache_columns(self.cache, order)
+            self.valid = self.valid.gather(1, order)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [B, Q, K] -> additive 4D mask [B, 1, Q, K]."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+class BatchedSpeculativeDecoder:
+    """Batched exact speculative decoding: per-row draft trees, one draft forward per depth and ONE target forward
+    per step for all rows, per-row acceptance with the rule (greedy rows: GreedyTopK), per-row bookkeeping.
+
+    Same row API as BatchedDecoder (add / step / remove / generate). Each row consumes its own generator in the same
+    order as SpeculativeDecoder does alone (propose depth 1..D, then the verification walk), so a seeded row's
+    output does not depend on its neighbours, and a greedy row equals the target's greedy decoding."""
+
+    def __init__(
+        self,
+        target,
+        draft,
+        rule="resispec",
+        tree: Sequence[int] = (2, 1),
+        tokenizer=None,
+        vocab_size: int | None = None,
+        greedy_topk: bool = True,
+    ) -> None:
+        from resispec.decoding.engine import _resolve_rule
+        from resispec.decoding.tokenizers import resolve_vocab_size
+        from resispec.decoding.tree import max_tree_nodes, parse_tree
+
+        self.target, self.draft = target.eval(), draft.eval()
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size or resolve_vocab_size(target, draft, tokenizer)
+        self.rule = _resolve_rule(rule)
+        self.shape = parse_tree(list(tree))
+        self.max_nodes = max_tree_nodes(self.shape)
+        self.greedy_topk = greedy_topk
+        self.device = next(target.parameters()).device
+        self._target_fwd, self._d_fwd = target, draft
+        self.rows: list[BatchRow] = []
+        self.tcache, self.dcache = _HoleyCache(target), _HoleyCache(draft)
+
+    @classmethod
+    def from_decoder(cls, decoder) -> BatchedSpeculativeDecoder:
+        """The batched speculative path of a `SpeculativeDecoder` (same pair, rule, tree, vocabulary)."""
+        dec = cls(
+            decoder.target,
+            decoder.draft,
+            decoder.rule,
+            decoder.shape,
+            decoder.tokenizer,
+            decoder.vocab_size,
+            decoder.greedy_topk,
+        )
+        dec._target_fwd, dec._d_fwd = decoder._target_fwd, decoder._draft_fwd
+        return dec
+
+    # the row API of BatchedDecoder: add() prefills the target now (the draft's prefill is folded into the row's
+    # first step) and calls _merge; generate() runs rows to the end
+    add = BatchedDecoder.add
+    generate = BatchedDecoder.generate
+
+    def _merge(self, row: BatchRow, row_cache) -> None:
+        """BatchedDecoder.add's hook: the new row joins both caches."""
+        self.tcache.add_row(row_cache, row.length)
+        self.dcache.add_row(new_cache(self.draft), 0)
+        row.pending = list(row.prompt)  # committed tokens not yet in the draft cache
+        row.stats.accepted_per_position = [0] * len(self.shape)
+        row.stats.reached_per_position = [0] * len(self.shape)
+        self.rows.append(row)
+
+    def remove(self, row: BatchRow) -> None:
+        self._keep([r for r in self.rows if r is not row])
+
+    def _keep(self, rows: list[BatchRow]) -> None:
+        if len(rows) == len(self.rows):
+            return
+        index = {id(r): i for i, r in enumerate(self.rows)}
+        sel = torch.tensor([index[id(r)] for r in rows], dtype=torch.long, device=self.device)
+        self.tcache.keep_rows(sel)
+        self.dcache.keep_rows(sel)
+        self.rows = rows
+
+    def reset(self) -> None:
+        self.rows = []
+        self.tcache, self.dcache = _HoleyCache(self.target), _HoleyCache(self.draft)
+
+    @property
+    def kv_tokens(self) -> int:
+        return len(self.rows) * (self.tcache.num_cols + self.dcache.num_cols)
+
+    def _probs(self, logits: torch.Tensor, settings: dict) -> torch.Tensor:
+        return process_logits(logits[..., : self.vocab_size], **settings)
+
+    @torch.inference_mode()
+    def step(self, draft: bool | Sequence[bool] = True) -> list[tuple[BatchRow, list[int]]]:
+        """One speculative step for every row -> [(row, its emitted tokens)]; finished rows leave the batch.
+
+        draft: one flag for all rows or one per row. A row with False takes a plain autoregressive step (a
+        one-token verify); when no row drafts there is no draft forward at all and the tokens the draft has not
+        seen pile up in each row's `pending`, fed with the next drafting step. So the caller can switch
+        speculation off and on between steps (by load) without leaving exactness."""
+        from resispec.decoding.engine import GREEDY_TOPK, SpeculativeDecoder
+        from resispec.decoding.tree import DraftTree
+
+        rows = self.rows
+        if not rows:
+            return []
+        t0 = time.perf_counter()
+        dev, nb, shape = self.device, len(rows), self.shape
+        greedy_tk = [r.greedy and self.greedy_topk for r in rows]
+        rules = [GREEDY_TOPK if g else self.rule for g in greedy_tk]
+        q_set = [
+            dict(temperature=1.0, top_k=0, top_p=1.0) if g else r.settings
+            for r, g in zip(rows, greedy_tk, strict=True)
+        ]
+        flags = [draft] * nb if isinstance(draft, bool) else list(draft)
+        lims = [
+            min(len(shape), r.max_new_tokens - len(r.generated) - 1) if f else 0
+            for r, f in zip(rows, flags, strict=True)
+        ]
+        draft = any(flags)  # whether the draft runs this step (it then takes every row's pending tokens)
+        trees = [DraftTree(r.root, self.max_nodes) for r in rows]
+        proposals: list[list] = [[] for _ in rows]
+        fed = [0] * nb  # deepest tree level each row's draft has processed
+        node_col: list[dict[int, int]] = [{} for _ in rows]  # tree node -> draft cache column, this step
+
+        if draft:
+            # ---- draft, depth 0: every row's pending committed tokens (right-padded)
+            width = max(len(r.pending) for r in rows)
+            ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
+            pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
+            new_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
+            for b, r in enumerate(rows):
+                n = len(r.pending)
+                ids[b, :n] = torch.tensor(r.pending, device=dev)
+                pos[b, :n] = torch.arange(r.length + 1 - n, r.length + 1, device=dev)
+                new_valid[b, :n] = True
+            allowed = self.dcache.allowed(width)
+            t_old = self.dcache.num_cols
+            causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+            allowed[:, :, t_old:] = (causal[None] & new_valid[:, None, :]) | torch.eye(
+                width, dtype=torch.bool, device=dev
+            )[None]
+            logits = forward_logits(
+                self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self.draft.dtype)
+            )
+            self.dcache.append(new_valid)
+            qs = [
+                self._probs(logits[b, len(r.pending) - 1 : len(r.pending)], q_set[b])
+                for b, r in enumerate(rows)
+            ]
+            growing = [lim > 0 for lim in lims]
+            for depth in range(1, len(shape) + 1):
+                feed = []  # (row, level) pairs the draft processes at this depth
+                for b, r in enumerate(rows):
+                    if not growing[b] or depth > lims[b]:
+                        growing[b] = False
+                        continue
+                    proposal = rules[b].propose(qs[b], shape[depth - 1], r.generator)
+                    level = trees[b].add_level(proposal.tokens.tolist())
+                    if len(level) == 0:
+                        growing[b] = False
+                        continue
+                    proposals[b].append(proposal)
+                    if depth < lims[b]:
+                        feed.append((b, level))
+                    else:
+                        growing[b] = False
+                if not feed:
+                    break
+                width = max(len(level) for _, level in feed)
+                t_old = self.dcache.num_cols
+                ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
+                pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
+                allowed = self.dcache.allowed(width)
+                allowed[:, :, t_old:] = torch.eye(width, dtype=torch.bool, device=dev)[
+                    None
+                ]  # a node sees itself
+                for b, level in feed:
+                    tree, n = trees[b], len(level)
+                    ids[b, :n] = torch.tensor(tree.tokens[level.start : level.stop], device=dev)
+                    pos[b, :n] = rows[b].length + depth
+                    anc = tree.mask(level, range(1, level.start))  # [n, earlier non-root nodes]
+                    for j in range(1, level.start):
+                        allowed[b, :n, node_col[b][j]] |= anc[:, j - 1].to(dev)
+                logits = forward_logits(
+                    self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self.draft.dtype)
+                )
+                self.dcache.append(torch.zeros(nb, width, dtype=torch.bool, device=dev))
+                for b, level in feed:
+                    for i, node in enumerate(level):
+                        node_col[b][node] = t_old + i
+                    qs[b] = self._probs(logits[b, : len(level)], q_set[b])
+                    fed[b] = depth
+        t1 = time.perf_counter()
+
+        # ---- verify: ONE target forward over every row's root and tree nodes
+        width = max(t.num_nodes for t in trees)
+        ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
+        pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
+        t_old = self.tcache.num_cols
+        allowed = self.tcache.allowed(width)
+        allowed[:, :, t_old:] = torch.eye(width, dtype=torch.bool, device=dev)[None]
+        for b, (r, tree) in enumerate(zip(rows, trees, strict=True)):
+            n = tree.num_nodes
+            ids[b, :n] = torch.tensor(tree.tokens, device=dev)
+            pos[b, :n] = torch.tensor(tree.depths, device=dev) + r.length
+            allowed[b, :n, t_old : t_old + n] = tree.mask(range(n), range(n)).to(dev)
+        logits = forward_logits(
+            self._target_fwd, ids, self.tcache.cache, pos, _additive(allowed, self.target.dtype)
+        )
+        t2 = time.perf_counter()
+
+        # ---- accept per row, then the bookkeeping that compacts both caches
+        t_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
+        out = []
+        for b, (r, tree) in enumerate(zip(rows, trees, strict=True)):
+            p = self._probs(logits[b, : tree.num_nodes], r.settings)
+            run, accepted = SpeculativeDecoder._walk(rules[b], tree, p, proposals[b], r.generator, r.greedy)
+            t_valid[b, [0] + accepted] = True
+            for n in accepted:
+                if tree.depths[n] <= fed[b]:
+                    self.dcache.valid[b, node_col[b][n]] = True
+            r.length += len(accepted) + 1
+            r.root = run[-1]
+            s = r.stats
+            s.target_forwards += 1
+            s.target_seconds += t2 - t1
+            if not draft:
+                r.pending.append(run[-1])
+            else:
+                r.pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed[b]] + [run[-1]]
+            if flags[b]:
+                s.num_drafts += 1
+                s.num_draft_tokens += tree.num_nodes - 1
+                s.num_accepted_tokens += len(accepted)
+                for j in range(min(len(accepted) + 1, tree.depth)):
+                    s.reached_per_position[j] += 1
+                    s.accepted_per_position[j] += int(j < len(accepted))
+                s.draft_forwards += 1 + fed[b]
+                s.draft_seconds += t1 - t0
+            chunk = []
+            for tok in run:
+                chunk.append(tok)
+                if r.emit(tok):
+                    break
+            out.append((r, chunk))
+        self.tcache.append(t_valid)
+        self.tcache.compact()
+        self.dcache.compact()
+        self._keep([r for r in rows if not r.finished])
+        return out

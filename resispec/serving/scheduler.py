@@ -1,0 +1,326 @@
+"""Continuous batching (DESIGN.md "Batched decoding and scheduling"): one thread owns the models and serves every
+request, admitting waiting ones and retiring finished or cancelled ones at step boundaries.
+
+Paths a request can take:
+  batch   a row of the engine's batched decoder: `BatchedSpeculativeDecoder` when the engine is speculative (per-row
+          draft trees, one draft forward per depth and ONE target forward per step for every row), `BatchedDecoder`
+          (batched autoregressive) otherwise.
+  stream  an engine without a batched decoder (or max_batch_size = 1): one request at a time, the old behaviour.
+
+Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
+decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
+scheduler keeps, per batch size (bucketed by powers of two), the seconds per emitted token of the last COST_WINDOW
+drafting steps and of the last COST_WINDOW autoregressive steps (a step's wall time over the tokens it emitted; the
+draft's catch-up on tokens it skipped lands on the next drafting step, so it is charged to speculation), and takes
+the mode with the lower median; an unmeasured mode is tried first, and every EXPLORE_EVERY-th step at a batch size
+takes the losing mode to re-measure it. `cost_table()` shows where speculation stops paying. Seeded sampled rows
+always draft (unless `never`), so a seeded request's tokens never depend on its neighbours or on the load.
+
+Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
+(running + 1) x the longest worst-case row fits (prompt + max_tokens; on the speculative batch with room for the
+holes rejected tree nodes leave until a repack), so the cache can never outgrow it; a request that alone exceeds it
+is refused (RequestTooLargeError -> 400). A newcomer's prefill runs alone between two steps, and at most one per
+step boundary while others run, so running streams stall for at most one prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from resispec.serving.logprobs import start_scoring
+
+log = logging.getLogger(__name__)
+
+EXPLORE_EVERY = 64  # every so many steps at a batch size, the mode that measured slower is measured again
+COST_WINDOW = 32  # recent per-token costs kept per path; the policy compares medians
+SPECULATION = ("auto", "always", "never")  # lone requests: by measured cost, always speculative, never
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests waiting (503, retry later)."""
+
+
+class RequestTooLargeError(ValueError):
+    """The request's prompt + max_tokens can never fit in the KV budget (400)."""
+
+
+@dataclass(eq=False)
+class _Task:
+    """One running request."""
+
+    job: Any
+    path: str  # "batch" | "stream"
+    generator: Any = None
+    row: Any = None  # BatchRow on the batch path
+    stream: Any = None  # token-chunk iterator on the stream path
+    stats: Any = None
+    scorer: Any = None  # logprobs.Scorer when the request asked for log-probs
+
+    def emit(self, chunk) -> None:
+        """Hand a chunk of new tokens to the request, scored first when it asked for log-probs."""
+        if self.scorer is not None:
+            self.job.logprobs.extend(self.scorer.add(chunk))
+        self.job._put(list(chunk))
+
+
+def _bucket(size: int) -> int:
+    """Batch sizes share cost measurements by power-of-two bucket (1, 2, 3-4, 5-8, ...): the bucket's top size."""
+    return 1 << max(0, size - 1).bit_length()
+
+
+def _seeded(params) -> bool:
+    """A seeded sampled request: it always drafts, so its tokens never depend on the load."""
+    return params.seed is not None and params.temperature > 0
+
+
+class Scheduler:
+    """Runs submitted jobs on `engine` in one daemon thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine,
+        max_batch_size: int = 1,
+        kv_budget: int | None = None,
+        max_queue: int = 64,
+        metrics=None,
+        speculation: str = "auto",
+    ) -> None:
+        if speculation not in SPECULATION:
+            raise ValueError(f"speculation must be one of {SPECULATION}, got {speculation!r}")
+        self.engine, self.metrics, self.speculation = engine, metrics, speculation
+        self.batched = getattr(engine, "batched", None) if max_batch_size > 1 else None
+        self.max_batch_size = max_batch_size if self.batched is not None else 1
+        self.kv_budget, self.max_queue = kv_budget, max_queue
+        self.speculative = bool(getattr(engine, "speculative", False))
+        self.spec_batch = self.batched is not None and getattr(self.batched, "draft", None) is not None
+        self.samples: dict[tuple[str, int], deque] = {}  # (mode, batch size) -> seconds per token
+        self.steps_at: dict[int, int] = {}  # batch size -> steps taken
+        self.peak_running = 0  # most requests decoded together so far
+        self.waiting: deque = deque()
+        self.tasks: list[_Task] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="resispec-decode", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ called from the event loop
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.tasks)
+
+    def enqueue(self, job) -> None:
+        need = self._columns(job)
+        if self.kv_budget is not None and need > self.kv_budget:
+            raise RequestTooLargeError(
+                f"prompt + max_tokens = {need} tokens can never fit in the server's KV budget "
+                f"({self.kv_budget} tokens); shorten the prompt or lower max_tokens"
+            )
+        with self._cv:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
+            job.on_cancel = self._gauges
+            self.waiting.append(job)
+            self._gauges()
+            self._cv.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._closed = True
+            for job in list(self.waiting) + [t.job for t in self.tasks]:
+                job.cancel()
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the decode thread
+    def _gauges(self) -> None:
+        """vLLM's gauges; a cancelled request no longer counts (it leaves at the next step boundary)."""
+        self.peak_running = max(self.peak_running, len(self.tasks))
+        if self.metrics is not None:
+            live = [j for j in list(self.waiting) if not j.cancelled.is_set()]
+            self.metrics.waiting.labels(self.metrics.model_name).set(len(live))
+            live = [t for t in list(self.tasks) if not t.job.cancelled.is_set()]
+            self.metrics.running.labels(self.metrics.model_name).set(len(live))
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self.waiting and not self.tasks:
+                    self._cv.wait()
+                if self._closed:
+                    break
+            try:
+                self._admit()
+                self._step()
+            except BaseException as exc:  # a failed step fails the requests in it; keep serving
+                log.exception("decode step failed")
+                for task in list(self.tasks):
+                    self._finish(task, exc)
+                if self.batched is not None:
+                    self.batched.reset()
+        for task in list(self.tasks):
+            self._finish(task)
+        while self.waiting:
+            self.waiting.popleft().finish()
+
+    def _columns(self, job) -> int:
+        """Most cache columns the job's row can need: prompt + max_tokens; on the speculative batch, rejected tree
+        nodes leave holes until the cache is repacked (at 2 x the longest row + 16), plus one step's tree."""
+        n = len(job.prompt_ids) + job.params.max_new_tokens
+        return 2 * n + 17 + self.batched.max_nodes if self.spec_batch else n
+
+    def _fits(self, job) -> bool:
+        if len(self.tasks) >= self.max_batch_size:
+            return False
+        if self.kv_budget is None:
+            return True
+        longest = max(self._columns(j) for j in [t.job for t in self.tasks] + [job])
+        return (len(self.tasks) + 1) * longest <= self.kv_budget
+
+    def _admit(self) -> None:
+        """Admit waiting jobs that fit: all that fit when nothing runs, else one per step boundary."""
+        busy = bool(self.tasks)
+        while True:
+            with self._cv:
+                while self.waiting and self.waiting[0].cancelled.is_set():
+                    self.waiting.popleft().finish()  # a client that left while queued costs nothing
+                if not self.waiting or not self._fits(self.waiting[0]):
+                    self._gauges()
+                    return
+                job = self.waiting.popleft()
+                self._gauges()
+            self._start(job)
+            if busy:
+                return
+
+    def _start(self, job) -> None:
+        task = _Task(job=job, path="stream")
+        try:
+            task.scorer = start_scoring(self.engine, job.prompt_ids, job.params)  # None unless asked
+            job.prompt_logprobs = task.scorer and task.scorer.prompt
+            if self.batched is None:
+                task.stream = self.engine.stream(job.prompt_ids, job.params)
+                task.stats = getattr(self.engine, "last_stats", None)
+            else:
+                task.path = "batch"
+                task.generator = self.engine.generator(job.params)
+                task.row = self._add_row(task)
+                task.stats = task.row.stats
+        except BaseException as exc:
+            log.exception("admission failed")
+            self._finish(task, exc)
+            return
+        self.tasks.append(task)
+        if task.row is not None and task.row.finished:  # max_tokens 0
+            self._finish(task)
+        self._gauges()
+
+    def _add_row(self, task: _Task):
+        """Prefill `task` as a batch row."""
+        p = task.job.params
+        return self.batched.add(
+            list(task.job.prompt_ids),
+            max_new_tokens=p.max_new_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            eos_token_id=self.engine.eos(p),
+            stop=p.stop or None,
+            generator=task.generator,
+        )
+
+    def _step(self) -> None:
+        for task in [t for t in self.tasks if t.stream is not None]:
+            try:
+                chunk = next(task.stream, None)
+            except Exception as exc:  # this request fails; the others go on
+                log.exception("generation failed")
+                self._finish(task, exc)
+                continue
+            if chunk is None:
+                self._finish(task)
+                continue
+            if chunk:
+                task.emit(chunk)
+            if task.job.cancelled.is_set():
+                self._finish(task)
+        rows = {id(t.row): t for t in self.tasks if t.row is not None}
+        for task in list(rows.values()):
+            if task.job.cancelled.is_set():
+                self.batched.remove(task.row)
+                self._finish(task)
+                del rows[id(task.row)]
+        if rows:
+            out = self._batch_step(rows)
+            for row, chunk in out:
+                task = rows[id(row)]
+                task.emit(chunk)
+                if row.finished:
+                    self._finish(task)
+
+    def _batch_step(self, rows: dict) -> list:
+        """One step of the batch; on the speculative batch, each row drafts or not as the policy says."""
+        if not self.spec_batch:
+            return self.batched.step()
+        size = _bucket(len(self.batched.rows))
+        mode = self._choose(size)
+        flags = [
+            self.speculation != "never" and _seeded(rows[id(r)].job.params) or mode for r in self.batched.rows
+        ]
+        t0 = time.perf_counter()
+        out = self.batched.step(flags)
+        tokens = sum(len(chunk) for _, chunk in out)
+        if tokens and all(f == mode for f in flags):  # a pure step measures its mode
+            self._measure(("spec" if mode else "ar", size), (time.perf_counter() - t0) / tokens)
+        return out
+
+    def _choose(self, size: int) -> bool:
+        """Draft this step? The adaptive policy (module docstring)."""
+        if self.speculation != "auto":
+            return self.speculation == "always"
+        spec, ar = self.cost(("spec", size)), self.cost(("ar", size))
+        if spec is None:
+            return True
+        if ar is None:
+            return False
+        self.steps_at[size] = self.steps_at.get(size, 0) + 1
+        explore = self.steps_at[size] % EXPLORE_EVERY == 0  # now and then, re-measure the mode that lost
+        return (spec < ar) != explore
+
+    def _measure(self, key: tuple[str, int], seconds_per_token: float) -> None:
+        self.samples.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds_per_token)
+
+    def cost(self, key: tuple[str, int]) -> float | None:
+        """Median seconds per emitted token of (mode "spec" | "ar", batch size) over its recent steps; None before
+        the first measurement."""
+        samples = sorted(self.samples.get(key, ()))
+        return samples[len(samples) // 2] if samples else None
+
+    def cost_table(self) -> dict[int, dict[str, float | None]]:
+        """Batch size bucket -> measured seconds per token of drafting and autoregressive steps (where speculation
+        pays)."""
+        sizes = sorted({size for _, size in self.samples})
+        return {b: {"spec": self.cost(("spec", b)), "ar": self.cost(("ar", b))} for b in sizes}
+
+    def _finish(self, task: _Task, error: BaseException | None = None) -> None:
+        if task in self.tasks:
+            self.tasks.remove(task)
+        if task.stream is not None:
+            task.stream.close()  # stops the decoder mid-generation; its stats are final after close
+        if task.row is not None and not task.row.finished and self.batched is not None:
+            self.batched.remove(task.row)
+        job = task.job
+        job.error = error
+        job.stats = task.stats
+        if self.metrics is not None and job.stats is not None and error is None:
+            self.metrics.observe_spec(job.stats)
+        job.finish()
+        self._gauges()

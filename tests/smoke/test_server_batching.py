@@ -1,0 +1,213 @@
+"""Continuous batching end to end on the micro world: the app in-process (uvicorn in a thread), real HTTP.
+
+Concurrent requests decode together and each gets exactly what it would get alone; a seeded request ignores its
+neighbours; the KV budget bounds the batch (too large -> 400); a client that hangs up leaves the batch; the adaptive
+policy measures drafting and autoregressive steps; the load sweep completes every request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from resispec.decoding.tree import max_tree_nodes
+from resispec.serving.text import decode_ids, encode_text
+
+PROMPTS = ["def main():\n", "import os\n", "class Foo:\n    def ", "for i in range(", "return self.", "x = ["]
+
+
+@pytest.fixture(scope="module")
+def pair(micro_world):
+    from resispec.models import load_pair
+    from resispec.models.config import ModelConfig
+
+    _, paths = micro_world
+    return load_pair(ModelConfig(path=str(paths.target_dir)), ModelConfig(path=str(paths.draft_dir)))
+
+
+@pytest.fixture(scope="module")
+def serve(pair):
+    """Factory: ServerConfig overrides -> (base URL, scheduler); every server is stopped at the end."""
+    import uvicorn
+
+    from resispec.decoding.config import DecodeConfig
+    from resispec.serving.app import create_app
+    from resispec.serving.config import ServerConfig
+    from resispec.serving.server import build_engine
+
+    target, draft, tok = pair
+    servers = []
+
+    def start(**overrides):
+        server = ServerConfig(model_name="m", **overrides)
+        decode = DecodeConfig(rule="resispec", tree=[2, 1])
+        app = create_app(
+            build_engine(target, draft, tok, decode, server), tok, server, decode, max_model_len=256
+        )
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+        thread = threading.Thread(target=uv.run, daemon=True)
+        thread.start()
+        deadline = time.time() + 20
+        while not uv.started:
+            assert time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        servers.append((uv, thread))
+        return f"http://127.0.0.1:{port}", app.state.server.worker.scheduler
+
+    yield start
+    for uv, thread in servers:
+        uv.should_exit = True
+        thread.join(10)
+
+
+def _complete_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+    return asyncio.run(main())
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def _greedy_alone(pair, prompt: str, n: int) -> str:
+    from resispec.decoding import SpeculativeDecoder
+
+    target, draft, tok = pair
+    ids = encode_text(tok, prompt)
+    out = SpeculativeDecoder(target, draft, tokenizer=tok).generate_autoregressive(
+        torch.tensor([ids]), max_new_tokens=n, temperature=0.0, eos_token_id=[]
+    )
+    return decode_ids(tok, out.sequences[0, len(ids) :].tolist())
+
+
+def test_concurrent_greedy_requests_decode_together_and_equal_alone(serve, pair, one_thread):
+    url, sched = serve(max_batch_size=4, speculation="always")
+    bodies = [
+        {"model": "m", "prompt": p, "max_tokens": 10 + 2 * i, "temperature": 0, "ignore_eos": True}
+        for i, p in enumerate(PROMPTS)
+    ]
+    responses = _complete_all(url, bodies)
+    for body, r in zip(bodies, responses, strict=True):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert r.json()["usage"]["completion_tokens"] == body["max_tokens"]
+        assert choice["text"] == _greedy_alone(pair, body["prompt"], body["max_tokens"])
+    assert 1 < sched.peak_running <= 4  # decoded together, never more than max_batch_size
+    m = httpx.get(url + "/metrics").text
+    assert _metric(m, "resispec:num_requests_running") == 0
+    assert _metric(m, "resispec:num_requests_waiting") == 0
+
+
+def test_adaptive_speculation_measures_both_modes(serve, pair, one_thread):
+    url, sched = serve(max_batch_size=4, speculation="auto")
+    bodies = [
+        {"model": "m", "prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        for p in PROMPTS[:3]
+    ]
+    for r, body in zip(_complete_all(url, bodies), bodies, strict=True):
+        assert r.json()["choices"][0]["text"] == _greedy_alone(pair, body["prompt"], 40)
+    table = sched.cost_table()
+    assert any(c["spec"] is not None and c["ar"] is not None for c in table.values()), table
+
+
+def test_seeded_request_ignores_its_neighbours(serve, one_thread):
+    url, sched = serve(max_batch_size=8, speculation="never")
+    body = {
+        "model": "m",
+        "prompt": PROMPTS[2],
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "seed": 5,
+        "ignore_eos": True,
+    }
+    alone = _complete_all(url, [body])[0].json()["choices"][0]["text"]
+    neighbours = [
+        {"model": "m", "prompt": p, "max_tokens": 6 + i, "temperature": 0.8 * (i % 2), "seed": i}
+        for i, p in enumerate(PROMPTS)
+    ]
+    crowd = _complete_all(url, neighbours[:3] + [body] + neighbours[3:])
+    assert crowd[3].json()["choices"][0]["text"] == alone
+    assert sched.peak_running > 1
+
+
+def test_kv_budget_bounds_the_batch(serve, pair, one_thread):
+    tok = pair[2]
+    need = max(len(encode_text(tok, p)) for p in PROMPTS[:4]) + 12
+    cols = 2 * need + 17 + max_tree_nodes([2, 1])  # a speculative row's worst case (holes before a repack)
+    url, sched = serve(max_batch_size=8, kv_budget_tokens=2 * cols)
+    too_big = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 2 * cols, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=too_big)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "kv_budget_exceeded"
+    bodies = [{"model": "m", "prompt": p, "max_tokens": 12, "ignore_eos": True} for p in PROMPTS[:4]]
+    responses = _complete_all(url, bodies)
+    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12 for r in responses)
+    assert sched.peak_running == 2  # the other two waited for room
+
+
+def test_disconnect_leaves_the_batch(serve, one_thread):
+    url, sched = serve(max_batch_size=4, speculation="never")
+    keep = {"model": "m", "prompt": PROMPTS[1], "max_tokens": 40, "ignore_eos": True}
+    gone = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            kept = asyncio.create_task(client.post("/v1/completions", json=keep))
+            async with client.stream("POST", "/v1/completions", json=gone) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                        break  # hang up after the first text
+            return await kept
+
+    kept = asyncio.run(main())
+    assert kept.status_code == 200 and kept.json()["usage"]["completion_tokens"] == 40
+    deadline = time.time() + 10
+    while sched.num_running and time.time() < deadline:
+        time.sleep(0.05)
+    assert sched.num_running == 0 and sched.batched.kv_tokens == 0
+
+
+def test_load_sweep_completes_every_request(serve, micro_world, tmp_path, one_thread):
+    from resispec.serving.config import BenchConfig
+    from resispec.serving.loadtest import run_load_sweep
+
+    url, _ = serve(max_batch_size=4)
+    bench = BenchConfig(concurrencies=[1, 2, 4], num_requests=4, max_new_tokens=8, temperatures=[1.0])
+    results = run_load_sweep(url, PROMPTS, bench, model="m", output_dir=tmp_path, show=False)
+    assert [r.concurrency for r in results] == [1, 2, 4]
+    for r in results:
+        assert r.num_ok == r.num_requests and r.num_failed == 0 and r.num_short == 0
+        assert r.completion_tokens == r.num_requests * 8
+        assert r.latency_p50 <= r.latency_p95
+    assert (tmp_path / "sweep.md").exists() and (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_in_process_comparison(pair, tmp_path, one_thread):
+    from resispec.decoding.config import DecodeConfig
+    from resispec.serving.config import BenchConfig
+    from resispec.serving.loadtest import compare_in_process, serving_modes
+
+    target, draft, tok = pair
+    modes = {k: v for k, v in serving_modes(4).items() if k in ("one-at-a-time AR", "batched adaptive")}
+    bench = BenchConfig(concurrencies=[2], num_requests=2, max_new_tokens=6, temperatures=[0.0])
+    decode = DecodeConfig(rule="resispec", tree=[2, 1])
+    results = compare_in_process(
+        target, draft, tok, decode, PROMPTS, bench, modes, max_model_len=256, output_dir=tmp_path, show=False
+    )
+    assert [r.label for r in results] == list(modes)
+    assert all(r.num_ok == 2 and r.num_short == 0 for r in results)
+    assert "batch size" in (tmp_path / "sweep.md").read_text()

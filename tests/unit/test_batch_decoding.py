@@ -1,0 +1,276 @@
+"""Batched decoding, autoregressive (BatchedDecoder) and speculative (BatchedSpeculativeDecoder): every row of a batch
+equals decoding it alone (greedy: also HF generate, every rule and tree shape), rows join and leave at step
+boundaries, a seeded sampled row gives the same tokens whatever its neighbours, memory stays bounded, and a sampled
+row inside a mixed batch follows the target's joint law."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from resispec.decoding import SpeculativeDecoder
+from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
+from resispec.verify import VERIFIERS
+from tests.unit.test_decoding_helpers import micro_llama, single_thread
+
+VOCAB = 64
+NEW = 24
+LENGTHS = (1, 5, 12, 3, 20)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = micro_llama(64, 2, VOCAB, seed=0)
+    dec = SpeculativeDecoder(target, target, rule="chain", tree=[1])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    return target, dec, prompts
+
+
+def _alone(dec, prompt, new=NEW, **settings):
+    out = dec.generate_autoregressive(torch.tensor([prompt]), max_new_tokens=new, eos_token_id=[], **settings)
+    return out.sequences[0, len(prompt) :].tolist()
+
+
+def test_greedy_rows_equal_alone_and_hf_generate(setup):
+    target, dec, prompts = setup
+    out = BatchedDecoder.from_decoder(dec).generate(
+        prompts, dict(max_new_tokens=NEW, temperature=0.0, eos_token_id=[])
+    )
+    for prompt, got in zip(prompts, out, strict=True):
+        assert got == _alone(dec, prompt, temperature=0.0)
+        hf = target.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert got == hf[0, len(prompt) :].tolist()
+    assert len({tuple(o) for o in out}) > 1  # varied outputs: a meaningful identity test
+
+
+def test_rows_join_and_leave_at_step_boundaries(setup):
+    _, dec, prompts = setup
+    bd = BatchedDecoder.from_decoder(dec)
+    rows, peak = [], 0
+    for i, prompt in enumerate(
+        prompts
+    ):  # a newcomer every two steps; different max tokens, so rows leave apart
+        rows.append(bd.add(prompt, max_new_tokens=8 + 3 * i, temperature=0.0, eos_token_id=[]))
+        for _ in range(2):
+            bd.step()
+            peak = max(peak, bd.num_cols)
+    cancelled = rows[1]
+    bd.remove(cancelled)
+    while bd.rows:
+        bd.step()
+        # bounded memory: the cache is never wider than the longest running row
+        assert bd.num_cols == max((r.length for r in bd.rows), default=0)
+    for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
+        if row is cancelled:
+            continue
+        assert len(row.generated) == 8 + 3 * i
+        assert row.generated == _alone(dec, prompt, new=8 + 3 * i, temperature=0.0)
+    assert bd.num_cols == 0 and bd.kv_tokens == 0
+
+
+def test_seeded_row_ignores_its_neighbours(setup):
+    _, dec, prompts = setup
+    bd = BatchedDecoder.from_decoder(dec)
+    settings = dict(max_new_tokens=NEW, temperature=1.0, top_k=20, top_p=0.9, eos_token_id=[])
+
+    def run(neighbours):
+        row = bd.add(prompts[2], generator=torch.Generator().manual_seed(7), **settings)
+        for j, p in enumerate(neighbours):  # greedy and sampled neighbours with other settings and seeds
+            temp = 0.0 if j % 2 else 0.7
+            bd.add(p, max_new_tokens=5 + j, temperature=temp, generator=torch.Generator().manual_seed(j))
+        while bd.rows:
+            bd.step()
+        return row.generated
+
+    ref = _alone(
+        dec,
+        prompts[2],
+        generator=torch.Generator().manual_seed(7),
+        **{k: v for k, v in settings.items() if k not in ("max_new_tokens", "eos_token_id")},
+    )
+    assert run([]) == ref
+    assert run(prompts[:2]) == ref
+    assert run(prompts[3:] + prompts[:1]) == ref
+
+
+def test_stops_per_row(setup):
+    _, dec, prompts = setup
+    bd = BatchedDecoder.from_decoder(dec)
+    free = _alone(dec, prompts[1], temperature=0.0)
+    eos = free[5]
+    rows = [
+        bd.add(prompts[1], max_new_tokens=NEW, temperature=0.0, eos_token_id=eos),
+        bd.add(prompts[1], max_new_tokens=NEW, temperature=0.0, stop_checker=lambda ids: len(ids) >= 3),
+        bd.add(prompts[1], max_new_tokens=0, temperature=0.0),
+    ]
+    while bd.rows:
+        bd.step()
+    assert rows[0].generated == free[: free.index(eos) + 1]
+    assert rows[1].generated == free[:3]
+    assert rows[2].generated == [] and rows[2].finished
+
+
+# ---------------------------------------------------------------------------- batched speculative decoding
+def _spec(setup, rule="resispec", tree=(3, 2, 1), **kwargs):
+    from tests.unit.test_decoding_helpers import noisy_copy
+
+    target = setup[0]
+    draft = noisy_copy(target, 0.3, seed=1)
+    dec = SpeculativeDecoder(target, draft, rule=rule, tree=list(tree), **kwargs)
+    return dec, BatchedSpeculativeDecoder.from_decoder(dec)
+
+
+@pytest.mark.parametrize("tree", [(1,), (1, 1, 1), (3, 2, 1), (4, 1)])
+def test_batched_spec_greedy_rows_equal_alone_and_hf(setup, tree):
+    target, ar, prompts = setup
+    dec, bs = _spec(setup, tree=tree)
+    out = bs.generate(prompts, dict(max_new_tokens=NEW, temperature=0.0, eos_token_id=[]))
+    for prompt, got in zip(prompts, out, strict=True):
+        assert got == _alone(ar, prompt, temperature=0.0)
+        hf = target.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert got == hf[0, len(prompt) :].tolist()
+    assert bs.tcache.num_cols == 0 and bs.dcache.num_cols == 0  # everything released
+
+
+@pytest.mark.parametrize("rule", sorted(VERIFIERS))
+def test_batched_spec_greedy_every_rule(setup, rule):
+    """The rule itself on one-hot p and q (greedy_topk=False), a branching tree."""
+    _, ar, prompts = setup
+    _, bs = _spec(setup, rule=rule, tree=(2, 2, 1), greedy_topk=False)
+    out = bs.generate(prompts[1:4], dict(max_new_tokens=16, temperature=0.0, eos_token_id=[]))
+    for prompt, got in zip(prompts[1:4], out, strict=True):
+        assert got == _alone(ar, prompt, new=16, temperature=0.0)
+
+
+def test_batched_spec_seeded_row_equals_alone_whatever_the_neighbours(setup):
+    _, _, prompts = setup
+    dec, bs = _spec(setup, rule="resispec", tree=(3, 2, 1))
+    settings = dict(temperature=1.0, top_k=20, top_p=0.95, eos_token_id=[])
+    ref = dec.generate(
+        torch.tensor([prompts[2]]), max_new_tokens=NEW, generator=torch.Generator().manual_seed(7), **settings
+    )
+    ref = ref.sequences[0, len(prompts[2]) :].tolist()
+
+    def run(neighbours):
+        row = bs.add(prompts[2], max_new_tokens=NEW, generator=torch.Generator().manual_seed(7), **settings)
+        for j, p in enumerate(neighbours):
+            temp = 0.0 if j % 2 else 0.7
+            bs.add(p, max_new_tokens=5 + 3 * j, temperature=temp, generator=torch.Generator().manual_seed(j))
+        while bs.rows:
+            bs.step()
+        return row
+
+    assert run([]).generated == ref
+    assert run(prompts[:2]).generated == ref
+    row = run(prompts[3:] + prompts[:1])
+    assert row.generated == ref and row.stats.tau > 1.0
+
+
+def test_batched_spec_rows_join_and_leave_with_bounded_cache(setup):
+    _, ar, prompts = setup
+    _, bs = _spec(setup, tree=(3, 2, 1))
+    rows = []
+    for i, prompt in enumerate(prompts * 2):  # a newcomer every step
+        rows.append(bs.add(prompt, max_new_tokens=6 + 2 * i, temperature=0.0, eos_token_id=[]))
+        bs.step()
+    bs.remove(rows[3])
+    while bs.rows:
+        bs.step()
+        longest = max((r.length for r in bs.rows), default=0)
+        # holes are cropped or repacked: never more than about twice the longest row, plus one step's tree
+        assert bs.tcache.num_cols <= 2 * longest + 16 + bs.max_nodes + 1
+    for i, (row, prompt) in enumerate(zip(rows, prompts * 2, strict=True)):
+        if i != 3:
+            assert row.generated == _alone(ar, prompt, new=6 + 2 * i, temperature=0.0)
+
+
+@pytest.mark.parametrize("rule", sorted(VERIFIERS))
+def test_batched_spec_joint_law_inside_a_mixed_batch(rule):
+    """The batch-1 joint-law test (test_decoding_exactness) for rows decoded in batches of 10 observed rows plus a
+    greedy and a cooler neighbour with longer prompts."""
+    from tests.unit import test_decoding_exactness as ex
+    from tests.unit.test_decoding_helpers import noisy_copy
+
+    target = micro_llama(32, 1, ex.VOCAB, seed=0, scale=24.0)
+    draft = noisy_copy(target, 0.6, seed=1)
+    joint = ex.exact_joint(target)
+    num = 300
+    big = (num * joint >= 5).flatten()
+    crit = chi2.ppf(1 - ex.DELTA, int(big.sum()))
+    # power, as the batch-1 test checks it: emitting draft samples would fail by a wide margin in expectation
+    jt, jd = joint.flatten(), ex.exact_joint(draft).flatten()
+    pooled = torch.cat([(jd - jt)[big], (jd - jt)[~big].sum()[None]]) ** 2
+    assert float(num * (pooled / torch.cat([jt[big], jt[~big].sum()[None]])).sum()) > 5 * crit
+    bs = BatchedSpeculativeDecoder(target, draft, rule=rule, tree=ex.TREE)
+    counts = torch.zeros(ex.VOCAB**3, dtype=torch.long)
+    seed = 1000 * sorted(VERIFIERS).index(rule)
+    for start in range(0, num, 10):
+        rows = [
+            bs.add(
+                ex.PROMPT[0],
+                max_new_tokens=3,
+                eos_token_id=[],
+                generator=torch.Generator().manual_seed(seed + i),
+                **ex.SETTINGS,
+            )
+            for i in range(start, start + 10)
+        ]
+        bs.add([1, 2, 3, 4], max_new_tokens=5, temperature=0.0, eos_token_id=[])
+        bs.add(
+            [5, 6],
+            max_new_tokens=4,
+            temperature=0.5,
+            eos_token_id=[],
+            generator=torch.Generator().manual_seed(start),
+        )
+        while bs.rows:
+            bs.step()
+        for row in rows:
+            a, b, c = row.generated
+            counts[(a * ex.VOCAB + b) * ex.VOCAB + c] += 1
+    stat, df = ex.pearson(counts.reshape(ex.VOCAB, ex.VOCAB, ex.VOCAB), joint, num)
+    assert stat < crit, f"{rule}: X^2 = {stat:.1f} >= {crit:.1f} (df {df}) inside a mixed batch"
+
+
+def test_batched_spec_switches_speculation_off_and_on_between_steps(setup):
+    _, ar, prompts = setup
+    _, bs = _spec(setup, tree=(3, 2, 1))
+    rows = [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts]
+    step = 0
+    while bs.rows:
+        if step % 2:  # per-row flags: some rows draft, others take an AR step
+            bs.step(draft=[(step + b) % 3 != 1 for b in range(len(bs.rows))])
+        else:  # every row AR every third step: no draft forward, the draft catches up later
+            bs.step(draft=step % 3 != 1)
+        step += 1
+    for row, prompt in zip(rows, prompts, strict=True):
+        assert row.generated == _alone(ar, prompt, temperature=0.0)
+        assert row.stats.num_drafts < row.stats.target_forwards - 1  # some steps were autoregressive
+
+
+def test_batched_spec_draft_cache_emptied_by_a_leaving_row(setup):
+    """The only row with draft-cache tokens leaves while the others have not drafted yet: the emptied cache must
+    take the next rows at their batch size."""
+    _, ar, prompts = setup
+    _, bs = _spec(setup, tree=(2, 1))
+    first = bs.add(prompts[1], max_new_tokens=NEW, temperature=0.0, eos_token_id=[])
+    bs.step()
+    rows = [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts[2:4]]
+    bs.remove(first)
+    rows.append(bs.add(prompts[4], max_new_tokens=NEW, temperature=0.0, eos_token_id=[]))
+    while bs.rows:
+        bs.step(draft=len(bs.rows) < 3)
+    for row, prompt in zip(rows, prompts[2:5], strict=True):
+        assert row.generated == _alone(ar, prompt, temperature=0.0)
