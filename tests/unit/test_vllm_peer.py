@@ -150,6 +150,7 @@ def test_bench_with_vllm_rows(micro_world, vllm_available, tmp_path):
         hf_assisted=False,
         vllm=True,
         vllm_drafting=["greedy"],
+        vllm_args=["--enforce-eager"],  # no torch.compile at start-up (minutes on a loaded 2-core machine)
     )
     prompts = [tok.encode("def f(x):\n    return"), tok.encode("import os\n")]
     rows = run_bench(
@@ -170,3 +171,49 @@ def test_bench_with_vllm_rows(micro_world, vllm_available, tmp_path):
         assert r.tokens_per_second > 0
     spec = vllm_rows[1]
     assert spec.tau is not None and 1.0 <= spec.tau <= 3.0 and len(spec.per_depth_acceptance) == 2
+
+
+def test_regen_engine_is_checked(micro_world, tmp_path):
+    from resispec.data.config import RegenConfig
+    from resispec.data.regen import _regen_key, regenerate
+
+    assert "engine" not in _regen_key(RegenConfig())  # the built-in engine keeps its old cache keys
+    assert _regen_key(RegenConfig(engine="vllm"))["engine"] == "vllm"
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, paths = micro_world
+    target = AutoModelForCausalLM.from_pretrained(paths.target_dir)
+    tok = AutoTokenizer.from_pretrained(paths.target_dir)
+    prompts = datasets.Dataset.from_dict({"prompt_ids": [tok.encode("import os")]})
+    with pytest.raises(ValueError, match="engine must be hf or vllm"):
+        regenerate(target, tok, prompts, RegenConfig(engine="tgi"), tmp_path, progress=False)
+
+
+@pytest.mark.vllm
+def test_regen_with_vllm_equals_builtin_greedy(micro_world, vllm_available, tmp_path):
+    """data.regen.engine=vllm writes the same dataset format, and at T = 0 the same tokens as the built-in engine."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from resispec.data.config import RegenConfig
+    from resispec.data.regen import regenerate
+
+    _, paths = micro_world
+    target = AutoModelForCausalLM.from_pretrained(paths.target_dir).eval()
+    tok = AutoTokenizer.from_pretrained(paths.target_dir)
+    texts = ["import os\n", "def f(x):\n    return", "class A:\n", "for i in range("]
+    prompts = datasets.Dataset.from_dict({"prompt_ids": [tok.encode(t) for t in texts]})
+    regen = RegenConfig(max_new_tokens=16, temperature=0.0, batch_size=4)
+    ours = regenerate(target, tok, prompts, regen, tmp_path / "hf", progress=False)
+    theirs = regenerate(
+        target,
+        tok,
+        prompts,
+        RegenConfig(**{**regen.__dict__, "engine": "vllm"}),
+        tmp_path / "v",
+        progress=False,
+    )
+    assert ours.column_names == theirs.column_names == ["prompt_ids", "response_ids"]
+    assert ours["prompt_ids"] == theirs["prompt_ids"]
+    assert ours["response_ids"] == theirs["response_ids"]
