@@ -119,6 +119,11 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VllmServer:
+        """Launch and wait until /health answers."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> VllmServer:
+        """Start the process without waiting (several servers then start side by side)."""
         if not self.python.exists():
             raise RuntimeError(f"no vLLM venv at {self.python}; run scripts/setup_vllm.sh")
         self.port = _free_port()
@@ -131,7 +136,12 @@ class VllmServer:
             cmd, stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         os.close(fd)
-        deadline = time.monotonic() + self.startup_timeout
+        self._deadline = time.monotonic() + self.startup_timeout
+        return self
+
+    def wait_ready(self) -> VllmServer:
+        assert self.proc is not None, "launch() first"
+        deadline = self._deadline
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM server exited ({self.proc.returncode}): {self.tail()}")
@@ -372,7 +382,9 @@ def _peer_for(target, drafts: dict, tokenizer, bench) -> _Peer:
     _PEERS.append(peer)
     try:
         for s in peer.servers.values():
-            s.start()
+            s.launch()
+        for s in peer.servers.values():
+            s.wait_ready()
     except Exception:
         stop_all()
         raise
@@ -502,3 +514,39 @@ def offline_generate(
             tail = " | ".join((proc.stdout + proc.stderr).splitlines()[-12:])
             raise RuntimeError(f"vLLM offline generation failed ({proc.returncode}): {tail}")
         return json.loads(res_path.read_text())
+
+
+# ---------------------------------------------------------------- concurrency sweep
+
+
+def load_sweep(
+    target_dir: str,
+    prompts: list[str],
+    bench,
+    concurrencies: list[int],
+    draft_dir: str | None = None,
+    k: int = 2,
+    drafting: str = "probabilistic",
+    temperature: float = 0.0,
+) -> list[dict]:
+    """The load benchmark (resispec.serving.loadtest, same prompts and settings) against one vLLM server, at each
+    concurrency. -> one dict per concurrency: the load-test result plus tau from vLLM's counters."""
+    from dataclasses import asdict, replace
+
+    from resispec.serving.loadtest import run_load_test
+
+    spec = spec_config(draft_dir, k, drafting) if draft_dir else None
+    rows = []
+    with VllmServer(target_dir, spec, bench.vllm_python, env=dict(bench.vllm_env), args=bench.vllm_args) as s:
+        for c in concurrencies:
+            b = replace(bench, concurrency=c, temperatures=[temperature])
+            before = s.spec_counters()
+            res = asdict(run_load_test(s.url, prompts, b, model=s.target, show=False))
+            stats = counters_to_stats(before, s.spec_counters(), res["completion_tokens"])
+            res.update(
+                engine="vllm",
+                method="AR" if spec is None else f"{drafting} chain {k}",
+                server_tau=stats.tau if spec else None,
+            )
+            rows.append(res)
+    return rows
