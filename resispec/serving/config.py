@@ -55,3 +55,6 @@ class BenchConfig:
     vllm_drafting: list[str] = field(default_factory=lambda: ["greedy", "probabilistic"])
     vllm_env: dict[str, str] = field(default_factory=dict)  # extra env for the servers
     vllm_args: list[str] = field(default_factory=list)  # extra server arguments, e.g. [--enforce-eager]
+    vllm_fix_cpu_sampling: bool = (
+        False  # work around vllm#55005 (CPU, T > 0, draft); rows labelled +fix#55005
+    )

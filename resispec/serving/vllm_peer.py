@@ -31,6 +31,8 @@ import torch
 
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 METRIC_PREFIX = "vllm:spec_decode_"
+FIX_DIR = Path(__file__).with_name("vllm_fix")
+FIX_LABEL = "+fix#55005"
 
 
 # ---------------------------------------------------------------- environment
@@ -105,8 +107,10 @@ class VllmServer:
         env: dict[str, str] | None = None,
         startup_timeout: float = 900.0,
         args: list[str] | None = None,
+        fix_cpu_sampling: bool = False,
     ) -> None:
         self.target, self.spec, self.dtype, self.args = target, spec, dtype, list(args or [])
+        self.fix_cpu_sampling = fix_cpu_sampling  # resispec/serving/vllm_fix (vllm-project/vllm#55005)
         self.python = vllm_python(str(python) if python else None)
         self.env = {"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         self.startup_timeout = startup_timeout
@@ -132,6 +136,8 @@ class VllmServer:
         cmd = server_command(self.python, self.target, self.port, self.spec, self.dtype, self.args)
         env = {**os.environ, **self.env}
         env.pop("PYTHONPATH", None)  # the isolated venv must not see the project's packages
+        if self.fix_cpu_sampling:
+            env["PYTHONPATH"] = str(FIX_DIR)  # only its sitecustomize.py
         self.proc = subprocess.Popen(
             cmd, stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -377,7 +383,13 @@ def _peer_for(target, drafts: dict, tokenizer, bench) -> _Peer:
                 specs[f"{label}|{drafting}|{k}"] = spec_config(_model_dir(draft), k, drafting)
     for key, spec in specs.items():
         peer.servers[key] = VllmServer(
-            target_dir, spec, bench.vllm_python, dtype=dtype, env=env, args=bench.vllm_args
+            target_dir,
+            spec,
+            bench.vllm_python,
+            dtype=dtype,
+            env=env,
+            args=bench.vllm_args,
+            fix_cpu_sampling=bench.vllm_fix_cpu_sampling and spec is not None,
         )
     _PEERS.append(peer)
     try:
@@ -402,7 +414,8 @@ def bench_methods(target, drafts: dict, tokenizer, bench, temperature: float, sa
             row = BenchRow("vllm_ar", temperature, rule="vllm AR")
         else:
             label, drafting, k = key.split("|")
-            row = BenchRow("vllm_spec", temperature, draft=label, rule=f"vllm {drafting}", tree=f"chain {k}")
+            rule = f"vllm {drafting}" + (f" {FIX_LABEL}" if server.fix_cpu_sampling else "")
+            row = BenchRow("vllm_spec", temperature, draft=label, rule=rule, tree=f"chain {k}")
         state: dict[str, Any] = {"calls": 0, "prompts": [], "outputs": [], "before": None}
 
         def run(p, seed, max_new_tokens, server=server, state=state):
