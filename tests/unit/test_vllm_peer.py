@@ -217,3 +217,21 @@ def test_regen_with_vllm_equals_builtin_greedy(micro_world, vllm_available, tmp_
     assert ours.column_names == theirs.column_names == ["prompt_ids", "response_ids"]
     assert ours["prompt_ids"] == theirs["prompt_ids"]
     assert ours["response_ids"] == theirs["response_ids"]
+
+
+def test_fix_55005_expands_in_place_for_floats():
+    """The work-around's expand (per-request value -> its draft positions) writes into the float output itself."""
+    import importlib.util
+    import sys
+
+    from resispec.serving.vllm_peer import FIX_DIR
+
+    spec = importlib.util.spec_from_file_location("resispec_fix_55005", FIX_DIR / "sitecustomize.py")
+    mod = importlib.util.module_from_spec(spec)
+    before = list(sys.meta_path)
+    spec.loader.exec_module(mod)
+    sys.meta_path[:] = before  # the import hook only matters inside a vLLM process
+    out = torch.full((6,), float("nan"))
+    temps = torch.tensor([0.7, 0.0, 1.3])
+    mod._expand_kernel_impl(out, temps, torch.tensor([2, 5, 6], dtype=torch.int32), 0.0, 1.0)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 1.3])
