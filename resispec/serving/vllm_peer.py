@@ -193,6 +193,13 @@ class VllmServer:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
+    def version(self) -> str | None:
+        try:
+            with urllib.request.urlopen(self.url + "/version", timeout=30) as r:
+                return json.loads(r.read()).get("version")
+        except OSError:
+            return None
+
     def model_name(self) -> str:
         with urllib.request.urlopen(self.url + "/v1/models", timeout=30) as r:
             return json.loads(r.read())["data"][0]["id"]
@@ -460,6 +467,7 @@ def finish(methods: list, bench) -> None:
         if vllm_ar is not None and vllm_ar.tokens:
             row.stats["speedup_vs_vllm_ar"] = row.tokens_per_second / (vllm_ar.tokens / vllm_ar.seconds)
         row.stats["ours_ar_tokens_per_second"] = ours_ar.tokens / ours_ar.seconds
+        row.stats["vllm_version"] = server.version()
         if row.temperature == 0:
             bad = 0
             for p, out in zip(state["prompts"], state["outputs"], strict=True):
