@@ -64,7 +64,13 @@ def _config_ids(config, name: str):
 
 
 def check_compatible(
-    draft_config, draft_tok, target_config, target_tok, backend: str, max_model_len: int | None = None
+    draft_config,
+    draft_tok,
+    target_config,
+    target_tok,
+    backend: str,
+    max_model_len: int | None = None,
+    tp: int = 1,
 ) -> dict:
     """Raise ExportError (one line) unless the draft fits the target on `backend`; returns what was checked.
 
@@ -101,6 +107,12 @@ def check_compatible(
         if allowed is not None and dim not in allowed:
             raise ExportError(
                 f"head_dim {dim} of the {who} is not supported by {backend} (supported: {list(allowed)})"
+            )
+    for who, cfg in (("draft", draft_config), ("target", target_config)):
+        heads = cfg.num_attention_heads
+        if tp > 1 and heads % tp:
+            raise ExportError(
+                f"tensor parallel {tp}: the {who}'s {heads} attention heads do not split evenly over {tp} GPUs"
             )
     return {
         "backend": backend,
@@ -228,7 +240,7 @@ def export_draft(
     target_path = resolve_model_path(target, world)
     target_config, target_tok = _load_config(target_path), load_tokenizer(target_path)
     draft_config, draft_tok = _load_config(draft_path), load_tokenizer(draft_path)
-    checks = check_compatible(draft_config, draft_tok, target_config, target_tok, backend, max_model_len)
+    checks = check_compatible(draft_config, draft_tok, target_config, target_tok, backend, max_model_len, tp)
 
     kwargs = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
     model = AutoModelForCausalLM.from_pretrained(draft_path, **kwargs)

@@ -128,6 +128,8 @@ def test_backend_lists(pair, tmp_path):
         export_draft(str(draft), str(target), tmp_path / "out", backend="vllm-flashinfer")
     with pytest.raises(ExportError, match="unknown backend"):
         export_draft(str(draft), str(target), tmp_path / "out", backend="tgi")
+    with pytest.raises(ExportError, match="tensor parallel 4: the draft's 2 attention heads"):
+        export_draft(str(draft), str(target), tmp_path / "out", tp=4)
     # a smaller server context than the target's lets a shorter draft through
     short = _broken(tmp_path, train_bpe_tokenizer(TEXTS, vocab_size=300), "context")
     export_draft(str(short), str(target), tmp_path / "out", max_model_len=64)
