@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 VENV=${RESISPEC_VLLM_VENV:-.venv-vllm}
-if [ "$VENV" = ".venv" ]; then
+if [ "$(realpath -m "$VENV")" = "$(realpath -m .venv)" ]; then
   echo "setup_vllm.sh: refusing to use .venv (the project's venv); pick another RESISPEC_VLLM_VENV" >&2
   exit 2
 fi
