@@ -284,9 +284,28 @@ def counters_to_stats(before: dict, after: dict, num_new_tokens: int):
 # ---------------------------------------------------------------- peer checks
 
 
+def _filter(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """Top-k, then top-p (nucleus) on [N, V] logits, as the samplers do: removed tokens get -inf."""
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
 @torch.no_grad()
 def distribution_check(
-    target, prompt_ids: list[list[int]], outputs: list[list[int]], temperature: float, z: float = 4.0
+    target,
+    prompt_ids: list[list[int]],
+    outputs: list[list[int]],
+    temperature: float,
+    z: float = 4.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> dict:
     """Mean target NLL of sampled tokens vs mean target entropy at the same positions (temperature-scaled).
 
@@ -299,9 +318,10 @@ def distribution_check(
             continue
         ids = torch.tensor([list(p) + list(o)], device=device)  # [1, P + N]
         logits = target(input_ids=ids).logits[0, len(p) - 1 : -1].float() / temperature  # [N, V]
+        logits = _filter(logits, top_p, top_k)
         logp = torch.log_softmax(logits, dim=-1)
         nll = -logp.gather(1, ids[0, len(p) :, None])[:, 0]  # [N]
-        ent = -(logp.exp() * logp).sum(-1)  # [N]
+        ent = -(logp.exp() * logp.clamp_min(-1e30)).nan_to_num().sum(-1)  # [N] (filtered tokens add 0)
         nlls.append(nll)
         ents.append(ent)
         diffs.append(nll - ent)
@@ -423,7 +443,13 @@ def bench_methods(target, drafts: dict, tokenizer, bench, temperature: float, sa
             label, drafting, k = key.split("|")
             rule = f"vllm {drafting}" + (f" {FIX_LABEL}" if server.fix_cpu_sampling else "")
             row = BenchRow("vllm_spec", temperature, draft=label, rule=rule, tree=f"chain {k}")
-        state: dict[str, Any] = {"calls": 0, "prompts": [], "outputs": [], "before": None}
+        state: dict[str, Any] = {
+            "calls": 0,
+            "prompts": [],
+            "outputs": [],
+            "before": None,
+            "sampling": sampling,
+        }
 
         def run(p, seed, max_new_tokens, server=server, state=state):
             if state["calls"] == 0 and bench.warmup == 0 and server.spec is not None:
@@ -477,7 +503,14 @@ def finish(methods: list, bench) -> None:
                 bad += out != peer.greedy[key]
             check = {"ok": bad == 0, "prompts_differing": bad}
         else:
-            check = distribution_check(peer.target, state["prompts"], state["outputs"], row.temperature)
+            check = distribution_check(
+                peer.target,
+                state["prompts"],
+                state["outputs"],
+                row.temperature,
+                top_p=state["sampling"]["top_p"],
+                top_k=state["sampling"]["top_k"],
+            )
         row.stats["peer_check"] = check
         if not check["ok"]:
             why = "tokens differ from ours" if row.temperature == 0 else "off-distribution"

@@ -106,6 +106,14 @@ def test_distribution_check_flags_off_distribution():
     assert ok["ok"], ok
     bad = distribution_check(model, prompts, _sample(model, prompts, 60, greedy=True), temperature=1.0)
     assert not bad["ok"] and bad["diff"] < 0, bad  # too-likely tokens: NLL far below the entropy
+    # top-k: samples from the 3 likeliest tokens are on the top-3 distribution, not on the full one
+    top3 = _Bigram()
+    with torch.no_grad():
+        kth = top3.table.topk(3, dim=-1).values[:, -1:]
+        top3.table.masked_fill_(top3.table < kth, -1e4)
+    samples = _sample(top3, prompts, 60, seed=3)
+    assert distribution_check(model, prompts, samples, temperature=1.0, top_k=3)["ok"]
+    assert not distribution_check(model, prompts, samples, temperature=1.0)["ok"]
     # samples drawn at T = 1 checked as if T = 0.3: flagged too
     assert not distribution_check(model, prompts, _sample(model, prompts, 60), temperature=0.3)["ok"]
 
