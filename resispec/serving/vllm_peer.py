@@ -485,7 +485,9 @@ def finish(methods: list, bench) -> None:
         if state is None:
             continue
         row, server = m.row, m.vllm_server
-        if server.spec is not None and state["before"] is not None:
+        if server.spec is None:
+            row.tau = 1.0
+        elif state["before"] is not None:
             stats = counters_to_stats(state["before"], server.spec_counters(), m.tokens)
             row.stats = stats.as_dict()
             row.tau = stats.tau
