@@ -3,6 +3,7 @@
 python train/generate.py                        # the tiny world's target on stdlib prompts
 python train/generate.py +recipe=debug          # micro world, a few prompts
 accelerate launch train/generate.py +recipe=llama3   # prompts split across processes
+python train/generate.py data.regen.engine=vllm     # vLLM offline API (scripts/setup_vllm.sh venv), one process
 """
 
 from __future__ import annotations

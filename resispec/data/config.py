@@ -15,6 +15,7 @@ class RegenConfig:
     top_k: int = 0
     batch_size: int = 16
     seed: int = 0
+    engine: str = "hf"  # hf (built-in, HF generate) | vllm (vLLM's offline API from the isolated venv)
 
 
 @dataclass

@@ -78,6 +78,34 @@ def _generate_batch(
     return responses
 
 
+def _regen_key(regen: RegenConfig) -> dict:
+    """The sampling settings in the cache key; the built-in engine keeps the keys it had before `engine` existed."""
+    d = asdict(regen)
+    if d.get("engine") == "hf":
+        d.pop("engine")
+    return d
+
+
+def _vllm_responses(target, prompt_lists: list[list[int]], regen: RegenConfig, eos_id: int | None):
+    """All responses at once from vLLM's offline API (continuous batching decides the batches)."""
+    from resispec.serving.vllm_peer import offline_generate
+
+    model_dir = str(getattr(target.config, "_name_or_path", "") or getattr(target, "name_or_path", ""))
+    dtype = "float32" if next(target.parameters()).device.type == "cpu" else "auto"
+    out = offline_generate(
+        model_dir,
+        prompt_lists,
+        regen.max_new_tokens,
+        regen.temperature,
+        regen.top_p,
+        regen.top_k,
+        regen.seed,
+        eos_id,
+        dtype,
+    )
+    return out["responses"]
+
+
 def regenerate(
     target,
     tokenizer,
@@ -97,7 +125,7 @@ def regenerate(
         "format": REGEN_FORMAT,
         "target_id": target_id or str(getattr(target.config, "_name_or_path", "")),
         "weights": weights_fingerprint(target),
-        "regen": asdict(regen),
+        "regen": _regen_key(regen),
         "prompt_set_hash": prompt_set_hash(prompts),
         "num_prompts": len(prompts),
     }
@@ -117,14 +145,23 @@ def regenerate(
     results: list[tuple[int, list[int]]] = []
     start = time.perf_counter()
     bar = tqdm(total=len(order), desc="regenerate", disable=not (progress and is_main), dynamic_ncols=True)
-    for b in range(0, len(order), regen.batch_size):
-        batch = order[b : b + regen.batch_size]
-        torch.manual_seed(regen.seed * 1_000_003 + batch[0])
-        responses = _generate_batch(
-            target, [list(prompt_ids[i]) for i in batch], regen, pad_id, tokenizer.eos_token_id
+    if regen.engine == "vllm":  # one call: vLLM's continuous batching decides the batches
+        responses = _vllm_responses(
+            target, [list(prompt_ids[i]) for i in order], regen, tokenizer.eos_token_id
         )
-        results.extend(zip(batch, responses, strict=True))
-        bar.update(len(batch))
+        results.extend(zip(order, responses, strict=True))
+        bar.update(len(order))
+    elif regen.engine == "hf":
+        for b in range(0, len(order), regen.batch_size):
+            batch = order[b : b + regen.batch_size]
+            torch.manual_seed(regen.seed * 1_000_003 + batch[0])
+            responses = _generate_batch(
+                target, [list(prompt_ids[i]) for i in batch], regen, pad_id, tokenizer.eos_token_id
+            )
+            results.extend(zip(batch, responses, strict=True))
+            bar.update(len(batch))
+    else:
+        raise ValueError(f"data.regen.engine must be hf or vllm, got {regen.engine!r}")
     bar.close()
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import gather_object

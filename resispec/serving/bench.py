@@ -189,6 +189,10 @@ def _methods(
             for k in hf_chain_lengths(bench):
                 row = BenchRow("hf_assisted", temperature, draft=label, rule="hf", tree=f"chain {k}")
                 out.append(_hf_method(row, target, draft, device, sampling, k, tokenizer.pad_token_id))
+    if bench.vllm:  # vLLM peer rows, interleaved with ours
+        from resispec.serving import vllm_peer
+
+        out += vllm_peer.bench_methods(target, drafts, tokenizer, bench, temperature, sampling)
     return out
 
 
@@ -258,6 +262,10 @@ def bench_pair(
                     r.per_depth_acceptance = total_stats.per_depth_acceptance
                     r.c = total_stats.c
             rows.append(r)
+        if bench.vllm:
+            from resispec.serving import vllm_peer
+
+            vllm_peer.finish(methods, bench)
     if bar is not None:
         bar.close()
     return rows

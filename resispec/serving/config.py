@@ -59,3 +59,12 @@ class BenchConfig:
     output_dir: str | None = None  # default: the Hydra run folder
     # time a random-weight pair shaped like the tiny world (no built world, random prompts): speed only, tau is noise
     random_pair: bool = False
+    # vLLM as a peer (resispec/serving/vllm_peer.py; needs scripts/setup_vllm.sh): vLLM AR and vLLM with each draft
+    vllm: bool = False
+    vllm_python: str | None = None  # the vLLM venv's python; null = $RESISPEC_VLLM_PYTHON or .venv-vllm
+    vllm_k: list[int] | None = None  # chain lengths; null = those of the chain trees in `trees`, else [2]
+    vllm_drafting: list[str] = field(default_factory=lambda: ["greedy", "probabilistic"])
+    vllm_env: dict[str, str] = field(default_factory=dict)  # extra env for the servers
+    vllm_args: list[str] = field(default_factory=list)  # extra server arguments, e.g. [--enforce-eager]
+    # work around vllm#55005 (CPU, T > 0, draft); rows labelled +fix#55005
+    vllm_fix_cpu_sampling: bool = False
