@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class LossConfig:
-    """`name`: fkl | rkl | jsd | tvd | residual. The residual loss is 1 - alpha_rule(p, q, n) with rule and n
-    from the decode config (`rule: null` = decode.rule); `form` picks the plain, -log or fkl-hybrid variant."""
+    """`name`: fkl | rkl | jsd | tvd | residual | lk | fkl_residual. The residual loss is 1 - alpha_rule(p, q, n)
+    with rule and n from the decode config (`rule: null` = decode.rule); `form` picks the plain, -log or
+    fkl-hybrid variant. `lk`: the LK losses (form lambda | log | log_lambda, blend rate lk_eta). `fkl_residual`:
+    fkl weighted per position by 1 - alpha_rule (rule and draws as for residual)."""
 
     name: str = "residual"
     rule: str | None = None
@@ -17,12 +19,14 @@ class LossConfig:
     )
     num_draws: int | None = None  # n for alpha_rule(p, q, n); null = decode.tree[0] (the root's branching)
     draws: str = "root"  # root: alpha at n = num_draws | tree: mean of alpha(n_d) over the tree's depths d
+    # | reach: depth d weighted by d tau / d alpha_d at the batch's acceptances
     fkl_weight: float = 0.1
     jsd_beta: float = 0.5
     depth_decay: float = (
         1.0  # position t of a response weighs depth_decay ** (t mod len(tree)); with draws=tree
     )
     # depth d of the tree weighs depth_decay ** d instead (positions then all weigh 1); 1 = off
+    lk_eta: float = 3.0  # lk: lambda = exp(-lk_eta * alpha) blends KL (small alpha) into the acceptance term
 
 
 @dataclass
