@@ -7,7 +7,8 @@ Finished runs:  python -m resispec.training.compare outputs/distill/tiny_*/lates
 The multi-seed protocol:  python -m resispec.training.compare protocol --seeds 0 1 2 --losses fkl lk tvd \\
         --every 100 --temperatures 1 0.6 --out outputs/protocol/NAME -- +recipe=debug key=value ...
     Runs every (loss, seed) as a plain distillation (`resispec.training.distill`, the Hydra overrides after `--`
-    plus `loss=<name> train.seed=<seed>`) that saves a checkpoint every `--every` steps, then evaluates every
+    plus `loss=<name> train.seed=<seed>`; a `--losses` entry may carry its own overrides, quoted:
+    "fkl data.draft_fraction=0.5") that saves a checkpoint every `--every` steps, then evaluates every
     checkpoint (and the initial draft) on the held-out set at each temperature: simulated tau of the served rule
     (decode.rule) on the served tree (decode.tree). Reports mean +- standard error over seeds at equal steps and at
     equal wall-clock, the paired difference to the first loss, and draws tau against steps per loss (PNG).
@@ -22,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -103,7 +105,7 @@ def run_curve(cfg, loss_name: str, seed: int, out: Path, every: int, temperature
     from resispec.training import distill
     from resispec.training.evaluation import eval_rule, evaluate, select_positions
 
-    run_dir = out / "runs" / f"{loss_name}_s{seed}"
+    run_dir = out / "runs" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', loss_name)}_s{seed}"
     train = dataclasses.replace(
         cfg.train, seed=seed, eval_every=0, save_every=every, keep_checkpoints=10_000, output_dir=str(run_dir)
     )
@@ -111,7 +113,7 @@ def run_curve(cfg, loss_name: str, seed: int, out: Path, every: int, temperature
     logger.wandb = dataclasses.replace(logger.wandb, mode="disabled")
     result = distill(
         cfg.world, cfg.target, cfg.draft, cfg.data, cfg.decode, cfg.loss, cfg.optim, train, logger,
-        output_dir=run_dir, name=f"{loss_name}_s{seed}",
+        output_dir=run_dir, name=run_dir.name,
     )  # fmt: skip
     import torch
 
@@ -247,7 +249,8 @@ def protocol(argv: list[str]) -> str:
                 if str(seed) in data["curves"].get(name, {}):
                     continue
                 start = time.perf_counter()
-                cfg = compose_distill([*args.overrides, f"loss={name}"])
+                loss, *extra = name.split()  # "fkl data.draft_fraction=0.5": a loss plus its own overrides
+                cfg = compose_distill([*args.overrides, f"loss={loss}", *extra])
                 curve = run_curve(cfg, name, seed, args.out, args.every, args.temperatures)
                 curve["seconds"] = round(time.perf_counter() - start, 1)
                 data["curves"].setdefault(name, {})[str(seed)] = curve
