@@ -178,7 +178,10 @@ def summarize(curves: dict[str, dict[int, dict]], steps: list[int] | None = None
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in losses:
         runs = curves[name]
-        cells = [runs[next(iter(runs))]["loss"], str(len(runs)), f"{sec[name]:.3f}"]
+        label = " ".join(
+            [runs[next(iter(runs))]["loss"], *name.split()[1:]]
+        )  # the loss and its own overrides
+        cells = [label, str(len(runs)), f"{sec[name]:.3f}"]
         for _, t, at in cols:
             m, se = mean_se([_at_step(c, t, at[name]) for c in runs.values()])
             cells.append(f"{m:.3f} ± {se:.3f}")
