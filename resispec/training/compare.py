@@ -153,10 +153,14 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return m, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0)
 
 
-def _at_step(curve: dict, temp: str, step: int) -> float:
-    """tau of a curve at the last evaluated step <= step."""
-    i = max(i for i, s in enumerate(curve["steps"]) if s <= step)
-    return curve["tau"][temp][i]
+def _at_step(curve: dict, temp: str, step: float) -> float:
+    """tau of a curve at `step`, linear between the evaluated steps (exact at them)."""
+    steps, taus = curve["steps"], curve["tau"][temp]
+    i = max(i for i, s in enumerate(steps) if s <= step)
+    if i + 1 == len(steps):
+        return taus[i]
+    frac = (step - steps[i]) / (steps[i + 1] - steps[i])
+    return taus[i] + frac * (taus[i + 1] - taus[i])
 
 
 def summarize(curves: dict[str, dict[int, dict]], steps: list[int] | None = None) -> str:
@@ -171,7 +175,7 @@ def summarize(curves: dict[str, dict[int, dict]], steps: list[int] | None = None
     sec = {name: statistics.fmean(c["sec_per_step"] for c in curves[name].values()) for name in losses}
     budget = min(sec[name] * last for name in losses)  # the fastest loss's training time for every step
     cols = [(f"T={t} @{s} steps", t, {n: s for n in losses}) for t in temps for s in steps]
-    equal_time = {n: int(budget / sec[n]) for n in losses}
+    equal_time = {n: min(last, int(budget / sec[n])) for n in losses}
     cols += [(f"T={t} @{budget:.0f}s", t, equal_time) for t in temps]
     base = losses[0]
     head = ["loss", "seeds", "s/step"] + [c[0] for c in cols] + [f"vs {base} T={t} @{last}" for t in temps]
@@ -197,7 +201,8 @@ def summarize(curves: dict[str, dict[int, dict]], steps: list[int] | None = None
     step_note = ", ".join(f"{n} {equal_time[n]}" for n in losses)
     lines.append(
         f"\nEqual wall-clock = {budget:.0f} s of training (the fastest loss's time for {last} steps); steps "
-        f"reached in it: {step_note}. ± is one standard error over seeds; the last columns are paired by seed."
+        f"reached in it: {step_note} (tau linear between evaluated steps). ± is one standard error over seeds; the "
+        "last columns are paired by seed."
     )
     return "\n".join(lines)
 

@@ -43,3 +43,11 @@ def test_step_seconds_is_the_median_step(tmp_path):
     rows[3]["train/tokens_per_s"] = 10.0  # one step that also wrote a checkpoint
     (tmp_path / "history.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     assert step_seconds(tmp_path) == pytest.approx(0.1)
+
+
+def test_tau_between_evaluated_steps_is_linear():
+    from resispec.training.compare import _at_step
+
+    c = _curve([2.0, 3.0, 4.0], 0.1, "x")
+    assert _at_step(c, "1.0", 150) == pytest.approx(3.5) and _at_step(c, "1.0", 200) == 4.0
+    assert _at_step(c, "1.0", 250) == 4.0  # past the last evaluation: the last value
