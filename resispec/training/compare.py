@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -106,6 +107,9 @@ def run_curve(cfg, loss_name: str, seed: int, out: Path, every: int, temperature
     from resispec.training.evaluation import eval_rule, evaluate, select_positions
 
     run_dir = out / "runs" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', loss_name)}_s{seed}"
+    shutil.rmtree(
+        run_dir, ignore_errors=True
+    )  # a fresh run: history.jsonl appends, so no leftovers from a kill
     train = dataclasses.replace(
         cfg.train, seed=seed, eval_every=0, save_every=every, keep_checkpoints=10_000, output_dir=str(run_dir)
     )
@@ -261,6 +265,11 @@ def protocol(argv: list[str]) -> str:
                 cfg = compose_distill([*args.overrides, f"loss={loss}", *extra])
                 curve = run_curve(cfg, name, seed, args.out, args.every, args.temperatures)
                 curve["seconds"] = round(time.perf_counter() - start, 1)
+                if record.exists():  # merge into the file as it is now: another protocol may share --out
+                    merged = json.loads(record.read_text())["curves"]
+                    for n, runs in data["curves"].items():
+                        merged.setdefault(n, {}).update(runs)
+                    data["curves"] = merged
                 data["curves"].setdefault(name, {})[str(seed)] = curve
                 args.out.mkdir(parents=True, exist_ok=True)
                 record.write_text(json.dumps(data, indent=1))
