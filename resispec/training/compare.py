@@ -167,16 +167,25 @@ def _at_step(curve: dict, temp: str, step: float) -> float:
     return taus[i] + frac * (taus[i + 1] - taus[i])
 
 
-def summarize(curves: dict[str, dict[int, dict]], steps: list[int] | None = None) -> str:
+def summarize(
+    curves: dict[str, dict[int, dict]],
+    steps: list[int] | None = None,
+    step_cost: dict[str, float] | None = None,
+) -> str:
     """Markdown tables from {loss: {seed: curve}}: tau mean +- SE at equal steps (`steps`, default the last two
     evaluated) and at equal wall-clock (the training time the slowest loss needs for every step), and each
-    loss's paired difference to the first loss (mean +- SE over the seeds both have)."""
+    loss's paired difference to the first loss (mean +- SE over the seeds both have). `step_cost` (seconds per
+    step by entry or by its loss name) replaces the runs' own timings, e.g. one interleaved measurement when the
+    machine's load changed between runs."""
     losses = list(curves)
     any_curve = next(iter(curves[losses[0]].values()))
     temps = list(any_curve["tau"])
     last = any_curve["steps"][-1]
     steps = steps or sorted({any_curve["steps"][len(any_curve["steps"]) // 2], last})
     sec = {name: statistics.fmean(c["sec_per_step"] for c in curves[name].values()) for name in losses}
+    for name in losses:
+        cost = (step_cost or {}).get(name, (step_cost or {}).get(name.split()[0]))
+        sec[name] = cost if cost is not None else sec[name]
     budget = min(sec[name] * last for name in losses)  # the fastest loss's training time for every step
     cols = [(f"T={t} @{s} steps", t, {n: s for n in losses}) for t in temps for s in steps]
     equal_time = {n: min(last, int(budget / sec[n])) for n in losses}
@@ -251,6 +260,12 @@ def protocol(argv: list[str]) -> str:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--title", default="")
     ap.add_argument("--report-only", action="store_true", help="only redraw the table and plot")
+    ap.add_argument(
+        "--step-cost",
+        nargs="*",
+        default=[],
+        help="loss=seconds per step for the equal wall-clock columns (default: each run's own median)",
+    )
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml (after --)")
     args = ap.parse_args(argv)
     record = args.out / "protocol.json"
@@ -276,7 +291,8 @@ def protocol(argv: list[str]) -> str:
                 print(f"{name} seed {seed}: tau {json.dumps(curve['tau'])}", flush=True)
     names = [n for n in args.losses if n in data["curves"]]
     curves = {n: {int(s): c for s, c in data["curves"][n].items()} for n in names}
-    table = summarize(curves)
+    step_cost = {k: float(v) for k, v in (item.rsplit("=", 1) for item in args.step_cost)}
+    table = summarize(curves, step_cost=step_cost)
     (args.out / "table.md").write_text(table + "\n")
     plot_curves(curves, args.out / "tau_steps.png", args.title)
     return table
