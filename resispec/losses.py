@@ -38,20 +38,25 @@ _TINY = 1e-12
 
 @dataclass
 class LossConfig:
-    """`name`: fkl | rkl | jsd | tvd | residual. The residual loss is 1 - alpha_rule(p, q, n) with rule and n
-    from the decode config (`rule: null` = decode.rule); `form` picks the plain, -log or fkl-hybrid variant."""
+    """`name`: fkl | rkl | jsd | tvd | residual | lk | fkl_residual. The residual loss is 1 - alpha_rule(p, q, n)
+    with rule and n from the decode config (`rule: null` = decode.rule); `form` picks the plain, -log or
+    fkl-hybrid variant. `lk`: the LK losses (form lambda | log | log_lambda, blend rate lk_eta). `fkl_residual`:
+    fkl weighted per position by 1 - alpha_rule (rule and draws as for residual)."""
 
     name: str = "residual"
     rule: str | None = None
     # plain (1 - alpha) | log (-log alpha) | hybrid (1 - alpha + fkl_weight * fkl) | log_hybrid
     form: str = "hybrid"
     num_draws: int | None = None  # n for alpha_rule(p, q, n); null = decode.tree[0] (the root's branching)
-    draws: str = "root"  # root: alpha at n = num_draws | tree: mean of alpha(n_d) over the tree's depths d
+    # root: alpha at n = num_draws | tree: mean of alpha(n_d) over the tree's depths d | reach: depth d weighted by
+    # d tau / d alpha_d at the batch's acceptances
+    draws: str = "root"
     fkl_weight: float = 0.1
     jsd_beta: float = 0.5
     # position t of a response weighs depth_decay ** (t mod len(tree)); with draws=tree, depth d of the tree weighs
     # depth_decay ** d instead (positions then all weigh 1); 1 = off
     depth_decay: float = 1.0
+    lk_eta: float = 3.0  # lk: lambda = exp(-lk_eta * alpha) blends KL (small alpha) into the acceptance term
 
 
 @dataclass
@@ -154,20 +159,49 @@ def residual_num_draws(loss: LossConfig, decode: DecodeConfig) -> int:
     return loss.num_draws or int(decode.tree[0])
 
 
-def residual_draws(loss: LossConfig, decode: DecodeConfig) -> list[tuple[int, float]]:
-    """(n, weight) pairs the residual loss averages alpha over. `loss.draws=root`: the root's n only.
+def residual_draws(
+    loss: LossConfig, decode: DecodeConfig, served: tuple[Tensor, Tensor] | None = None
+) -> list[tuple[int, float]]:
+    """(n, weight) pairs the acceptance losses average alpha over. `loss.draws=root`: the root's n only.
     `loss.draws=tree`: every depth d of the tree with weight depth_decay**d (normalised), grouped by n. Any
     response position can sit at any depth of a future tree, and in the default [4, 2, 1, 1] half the depths are
-    one-draft chains, where alpha(n=4) says nothing about what gets accepted."""
+    one-draft chains, where alpha(n=4) says nothing about what gets accepted. `loss.draws=reach`: depth d weighs
+    d tau / d a_d at the batch's current acceptances (`reach_weights`; needs the `served` log-prob pair, without
+    it the tree's n weigh the same, which is enough to check the rules have closed forms)."""
     if loss.draws == "root":
         return [(residual_num_draws(loss, decode), 1.0)]
-    if loss.draws != "tree":
-        raise ValueError(f"loss.draws must be root or tree, got {loss.draws!r}")
+    if loss.draws not in ("tree", "reach"):
+        raise ValueError(f"loss.draws must be root, tree or reach, got {loss.draws!r}")
+    tree = [int(n) for n in decode.tree]
+    if loss.draws == "reach" and served is not None:
+        rule, (log_p, log_q) = residual_rule(loss, decode), served
+        with torch.no_grad():
+            mean_alpha = {n: acceptance(rule, log_p.exp(), log_q.exp(), n).mean().item() for n in set(tree)}
+        depth_w = reach_weights([mean_alpha[n] for n in tree])
+    else:
+        decay = loss.depth_decay if loss.draws == "tree" else 1.0
+        depth_w = [decay**d for d in range(len(tree))]
     weights: dict[int, float] = {}
-    for d, n in enumerate(decode.tree):
-        weights[int(n)] = weights.get(int(n), 0.0) + loss.depth_decay**d
+    for n, w in zip(tree, depth_w, strict=True):
+        weights[n] = weights.get(n, 0.0) + w
     total = sum(weights.values())
     return [(n, w / total) for n, w in sorted(weights.items())]
+
+
+def reach_weights(alpha_by_depth: list[float]) -> list[float]:
+    """d tau / d a_d for tau = 1 + sum_k prod_{d<k} a_d (the simulated tau of resispec.training.evaluation) at
+    the given per-depth acceptances: how much one more unit of acceptance at depth d buys in accepted length.
+    A depth counts as often as it is reached times what its acceptance unlocks below it."""
+    depth = len(alpha_by_depth)
+    grads = []
+    for d in range(depth):
+        reach = math.prod(alpha_by_depth[:d])  # P(depth d is reached)
+        below, run = 0.0, 1.0  # sum over k > d of prod_{d < d' < k} a_d'
+        for k in range(d + 1, depth + 1):
+            below += run
+            run *= alpha_by_depth[k] if k < depth else 0.0
+        grads.append(reach * below)
+    return grads
 
 
 def acceptance(rule: str | VerificationRule, p: Tensor, q: Tensor, n: int) -> Tensor:
@@ -178,6 +212,12 @@ def acceptance(rule: str | VerificationRule, p: Tensor, q: Tensor, n: int) -> Te
             raise ValueError(f"unknown rule {rule!r}; choose one of {sorted(VERIFIERS)}")
         rule = VERIFIERS[rule]
     return rule.surrogate_acceptance(p, q, n)
+
+
+def served_alpha(served: tuple[Tensor, Tensor], rule: str, draws: list[tuple[int, float]]) -> Tensor:
+    """Weighted acceptance sum_n w_n alpha_rule(p, q, n) on the served pair. -> [N]"""
+    p, q = served[0].exp(), served[1].exp()
+    return sum(w * acceptance(rule, p, q, n) for n, w in draws)
 
 
 def residual(
@@ -196,9 +236,8 @@ def residual(
     decode top-k / top-p) when given, fkl always on the untruncated (log_p, log_q). `n` is one draw count or
     (n, weight) pairs whose weighted alpha is used (see residual_draws)."""
     sp, sq = served if served is not None else (log_p, log_q)
-    p, q = sp.exp(), sq.exp()
     draws = [(n, 1.0)] if isinstance(n, int) else n
-    alpha = sum(w * acceptance(rule, p, q, k) for k, w in draws)  # [N]
+    alpha = served_alpha((sp, sq), rule, draws)  # [N]
     if form == "plain":
         return 1.0 - alpha
     if form == "log":
@@ -210,9 +249,42 @@ def residual(
     raise ValueError(f"unknown residual loss form {form!r}; choose plain | log | hybrid | log_hybrid")
 
 
+def chain_alpha(served: tuple[Tensor, Tensor]) -> Tensor:
+    """alpha of the one-draft chain rule (sum min(p, q)) on a log-prob pair, from resispec.verify. -> [N]"""
+    log_p, log_q = served
+    return acceptance("chain", log_p.exp(), log_q.exp(), 1)
+
+
+def lk(log_p: Tensor, log_q: Tensor, served: tuple[Tensor, Tensor], *, form: str, eta: float) -> Tensor:
+    """The LK losses of Samarin et al., "LK Losses: Direct Acceptance Rate Optimization for Speculative
+    Decoding" (arXiv 2602.23881; Nebius's SpecForge pull request, also vLLM speculators' `lk_hybrid` / `nla`),
+    reimplemented from that description, alpha the chain rule's acceptance sum min(p, q):
+    `lambda` (their LK_lambda) lambda * KL(p||q) + (1 - lambda) * (1 - alpha) with lambda = exp(-eta * alpha)
+    detached, so KL leads while the overlap is small (TV's gradient vanishes there) and TV takes over as alpha
+    grows; `log` (their LK_alpha) -log alpha, TV's target with a 1 / alpha gradient boost; `log_lambda` the
+    same adaptive blend with -log alpha in place of 1 - alpha (the hybrid this project's issue 14 names). -> [N]"""
+    alpha = chain_alpha(served)
+    if form == "log":
+        return -alpha.clamp_min(1e-6).log()
+    lam = torch.exp(-eta * alpha).detach()
+    if form == "lambda":
+        return lam * fkl(log_p, log_q) + (1 - lam) * (1 - alpha)
+    if form == "log_lambda":
+        return lam * fkl(log_p, log_q) - (1 - lam) * alpha.clamp_min(1e-6).log()
+    raise ValueError(f"unknown lk loss form {form!r}; choose lambda | log | log_lambda")
+
+
+def residual_weighted_fkl(log_p: Tensor, log_q: Tensor, alpha: Tensor) -> Tensor:
+    """fkl re-weighted per position by the residual mass 1 - alpha that verification leaves there (detached,
+    normalised to mean 1 over the batch): fkl's dense, well-conditioned gradient, spent where verification
+    fails instead of on positions the tree already accepts. alpha: [N] served acceptance. -> [N]"""
+    w = (1.0 - alpha).detach().clamp_min(0.0)
+    return w / w.mean().clamp_min(_TINY) * fkl(log_p, log_q)
+
+
 Pair = tuple[Tensor, Tensor]
 # name -> per-position loss [N] from (untruncated pair, served pair, loss config, decode config). The divergences
-# use the untruncated pair only; the residual loss takes alpha on the served one.
+# use the untruncated pair only; the acceptance losses take alpha on the served one.
 PositionLoss = Callable[[Pair, Pair, LossConfig, DecodeConfig], Tensor]
 
 LOSSES: dict[str, PositionLoss] = {
@@ -223,21 +295,31 @@ LOSSES: dict[str, PositionLoss] = {
     "residual": lambda full, served, c, d: residual(
         *full,
         rule=build_rule(residual_rule(c, d), d.auto_policy),
-        n=residual_draws(c, d),
+        n=residual_draws(c, d, served),
         form=c.form,
         fkl_weight=c.fkl_weight,
         served=served,
     ),
+    "lk": lambda full, served, c, d: lk(*full, served, form=c.form, eta=c.lk_eta),
+    "fkl_residual": lambda full, served, c, d: residual_weighted_fkl(
+        *full, served_alpha(served, residual_rule(c, d), residual_draws(c, d, served))
+    ),
 }
+# losses that read the served acceptance: they see the decode top-k / top-p (the divergences do not)
+ACCEPTANCE_LOSSES = ("residual", "lk", "fkl_residual")
 
 
 def describe_loss(loss: LossConfig, decode: DecodeConfig) -> str:
     """A short label: `fkl`, `jsd(0.5)`, `residual[resispec n=4 hybrid 0.1]`, `residual[rrs tree log]`."""
     if loss.name == "jsd":
         return f"jsd({loss.jsd_beta})"
-    if loss.name != "residual":
+    if loss.name == "lk":
+        return f"lk[{loss.form} eta={loss.lk_eta}]" if "lambda" in loss.form else f"lk[{loss.form}]"
+    if loss.name not in ("residual", "fkl_residual"):
         return loss.name
-    draws = "tree" if loss.draws == "tree" else f"n={residual_num_draws(loss, decode)}"
+    draws = loss.draws if loss.draws != "root" else f"n={residual_num_draws(loss, decode)}"
+    if loss.name == "fkl_residual":
+        return f"fkl_residual[{residual_rule(loss, decode)} {draws}]"
     form = f"{loss.form} {loss.fkl_weight}" if "hybrid" in loss.form else loss.form
     return f"residual[{residual_rule(loss, decode)} {draws} {form}]"
 
@@ -246,7 +328,7 @@ def check_loss_config(loss: LossConfig, decode: DecodeConfig) -> None:
     """Fail early, with one clear line, on a loss the run cannot compute."""
     if loss.name not in LOSSES:
         raise ValueError(f"unknown loss {loss.name!r}; choose one of {sorted(LOSSES)}")
-    if loss.name == "residual":
+    if loss.name in ("residual", "fkl_residual"):
         name = residual_rule(loss, decode)
         if name not in VERIFIERS:
             raise ValueError(f"unknown rule {name!r}; choose one of {sorted(VERIFIERS)}")
@@ -289,7 +371,7 @@ def distill_loss(
     where stats carries the mean unweighted fkl for reference."""
     fn = LOSSES[loss.name]
     # with draws=tree the depth weights live inside the residual loss; positions then weigh the same
-    tree_weighted = loss.name == "residual" and loss.draws == "tree"
+    tree_weighted = loss.name in ("residual", "fkl_residual") and loss.draws != "root"
     weights = position_weights(
         loss_mask, 1.0 if tree_weighted else loss.depth_decay, len(decode.tree)
     )  # [B, T]
@@ -300,7 +382,7 @@ def distill_loss(
     if q_logits.shape[0] == 0:  # a batch with no response token: a zero that keeps the graph
         return draft_logits.sum() * 0.0, {"fkl": 0.0, "num_positions": 0}
     full = paired_logprobs(tgt, q_logits, decode, truncate=False)
-    truncates = loss.name == "residual" and (decode.top_k > 0 or decode.top_p < 1.0)
+    truncates = loss.name in ACCEPTANCE_LOSSES and (decode.top_k > 0 or decode.top_p < 1.0)
     served = paired_logprobs(tgt, q_logits, decode, truncate=True) if truncates else full
     per_pos = fn(full, served, loss, decode)  # [N]
     value = (per_pos * w).sum() / w.sum().clamp_min(_TINY)

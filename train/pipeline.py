@@ -1,6 +1,6 @@
 """The main job:  python train/pipeline.py [+recipe=NAME] [overrides]   (what `bash scripts/main.sh` runs)
 
-World (build or reuse) -> target regeneration (cached) -> distillation with the residual loss -> held-out
+World (build or reuse) -> target regeneration (cached) -> distillation (forward KL by default) -> held-out
 acceptance before/after -> end-to-end speedup of the initial and the distilled draft vs AR. Outputs go to
 outputs/pipeline/<name>/<time>/{distill,bench}/. Every stage is the same library call its own script makes
 (train/pretrain.py, train/distill.py, serve/bench.py), so the stages can also be run one by one.

@@ -33,5 +33,8 @@ class DataConfig:
     prompt_tokens: int = 64  # stdlib prompts: tokens of code used as the prompt
     seq_len: int = 256  # packing length for training
     responses: str = "regenerate"  # regenerate (on-policy, cached) | fixed (the dataset's own text)
+    # on-policy for the draft (GKD / DistillSpec): this fraction of the training prompts gets the initial draft's
+    # own sampled responses instead of the target's (the target still scores every position); 0 = off
+    draft_fraction: float = 0.0
     regen: RegenConfig = field(default_factory=RegenConfig)
     cache_dir: str | None = None  # default: under the world cache

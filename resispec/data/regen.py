@@ -1,5 +1,6 @@
 """Target regeneration: the target's own responses to a prompt set (on-policy data), cached as a `datasets`
-dataset with metadata (target id, weight fingerprint, sampling settings, prompt-set hash)."""
+dataset with metadata (target id, weight fingerprint, sampling settings, prompt-set hash); optionally mixed with
+the draft's own responses (on-policy for the draft, `mix_draft_responses`)."""
 
 from __future__ import annotations
 
@@ -208,9 +209,11 @@ def ensure_regenerated(
     accelerator=None,
     target_id: str = "",
     progress: bool = True,
+    draft=None,
 ) -> datasets.Dataset:
     """Prompts of a split with responses: the target's (data.responses = regenerate, cached) or the source's own
-    (data.responses = fixed). -> Dataset(prompt_ids, response_ids)."""
+    (data.responses = fixed). With `draft` and data.draft_fraction > 0, that fraction of the training prompts
+    gets the draft's responses instead (`mix_draft_responses`). -> Dataset(prompt_ids, response_ids)."""
 
     prompts = load_prompts(data, tokenizer, split, world)
     if data.responses == "fixed":
@@ -222,6 +225,40 @@ def ensure_regenerated(
     if data.responses != "regenerate":
         raise ValueError(f"data.responses must be regenerate or fixed, got {data.responses!r}")
     prompts = prompts.select_columns(["prompt_ids"])
-    return regenerate(
+    rows = regenerate(
         target, tokenizer, prompts, data.regen, data_cache_dir(data, world), accelerator, target_id, progress
     )
+    if draft is None or data.draft_fraction <= 0 or split != "train":
+        return rows
+    return mix_draft_responses(
+        rows, draft, tokenizer, data, data_cache_dir(data, world), accelerator, progress
+    )
+
+
+def mix_draft_responses(
+    rows: datasets.Dataset,
+    draft,
+    tokenizer,
+    data: DataConfig,
+    cache_dir: str | Path,
+    accelerator=None,
+    progress: bool = True,
+) -> datasets.Dataset:
+    """Replace the responses of a seeded data.draft_fraction of the rows by the draft's own samples (the same
+    regen settings, cached by the draft's weights like any regeneration). The loss still compares p and q at
+    every position, so these rows teach the draft on the prefixes it will actually produce: the student-generated
+    data of GKD (Agarwal et al. 2024) and DistillSpec (Zhou et al. 2024), mixed with target regenerations at
+    the given ratio. The draft samples once, before training (its initial policy), not after every update."""
+    if not 0.0 <= data.draft_fraction <= 1.0:
+        raise ValueError(f"data.draft_fraction must be in [0, 1], got {data.draft_fraction}")
+    g = torch.Generator().manual_seed(data.regen.seed)
+    num = round(data.draft_fraction * len(rows))
+    picked = sorted(torch.randperm(len(rows), generator=g)[:num].tolist())
+    if not picked:
+        return rows
+    prompts = rows.select(picked).select_columns(["prompt_ids"])
+    drafted = regenerate(draft, tokenizer, prompts, data.regen, cache_dir, accelerator, "draft", progress)
+    responses = list(rows["response_ids"])
+    for i, r in zip(picked, drafted["response_ids"], strict=True):
+        responses[i] = list(r)
+    return datasets.Dataset.from_dict({"prompt_ids": list(rows["prompt_ids"]), "response_ids": responses})

@@ -573,6 +573,7 @@ def _load_inputs(accelerator, world, target_cfg, draft_cfg, data_cfg, rows):
                 accelerator=accelerator,
                 target_id=target_cfg.path,
                 progress=accelerator.is_main_process,
+                draft=draft,  # data.draft_fraction > 0: part of the training responses are the draft's
             )
             for split in ("train", "eval")
         )

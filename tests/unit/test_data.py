@@ -124,3 +124,28 @@ def test_fixed_responses_use_the_source_text(micro, tmp_path):
     world, tok = micro
     fixed = ensure_regenerated(_data(tmp_path, responses="fixed"), None, tok, "eval", world)
     assert len(fixed) == 3 and all(len(r) == 8 for r in fixed["response_ids"])
+
+
+def test_draft_fraction_mixes_in_the_drafts_own_responses(micro, tmp_path):
+    """data.draft_fraction: that share of the training rows carries the draft's greedy continuation; the rest,
+    and every held-out row, keep the target's."""
+    world, tok = micro
+    target = load_model(ModelConfig(path="world:target", device="cpu"), world)
+    draft = load_model(ModelConfig(path="world:draft", device="cpu"), world)
+    data = _data(tmp_path, draft_fraction=0.4)
+    data = replace(data, regen=replace(data.regen, temperature=0.0))  # greedy: comparable to a direct call
+    plain = ensure_regenerated(data, target, tok, "train", world, target_id="world:target", progress=False)
+    mixed = ensure_regenerated(data, target, tok, "train", world, target_id="world:target", draft=draft)
+    assert mixed["prompt_ids"] == plain["prompt_ids"]
+    changed = [i for i in range(len(plain)) if mixed["response_ids"][i] != plain["response_ids"][i]]
+    own = regen_mod.regenerate(draft, tok, plain.select(changed), data.regen, tmp_path / "d", progress=False)
+    assert len(changed) == 2 and [list(r) for r in own["response_ids"]] == [
+        mixed["response_ids"][i] for i in changed
+    ]
+    held_out = ensure_regenerated(data, target, tok, "eval", world, target_id="world:target", draft=draft)
+    assert (
+        held_out["response_ids"]
+        == ensure_regenerated(data, target, tok, "eval", world, target_id="world:target", progress=False)[
+            "response_ids"
+        ]
+    )

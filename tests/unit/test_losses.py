@@ -14,12 +14,15 @@ from resispec.losses import (
     distill_loss,
     fkl,
     jsd,
+    lk,
     paired_logprobs,
     position_weights,
+    reach_weights,
     residual,
     residual_draws,
     residual_num_draws,
     residual_rule,
+    residual_weighted_fkl,
     rkl,
     run_positions,
     sparse_with_tail,
@@ -204,3 +207,92 @@ def test_empty_mask_gives_zero_with_a_graph():
     )
     loss.backward()
     assert loss.item() == 0 and stats["num_positions"] == 0
+
+
+# ----------------------------------------------------------------------------- LK and the residual-focused losses
+def test_lk_reduces_to_its_known_cases():
+    """eta = 0 is pure fkl, a large eta is 1 - alpha_chain = tvd, `log` is -log sum min(p, q)."""
+    lp, lq = _logp(seed=30), _logp(seed=31)
+    pair = (lp, lq)
+    torch.testing.assert_close(lk(lp, lq, pair, form="lambda", eta=0.0), fkl(lp, lq))
+    torch.testing.assert_close(lk(lp, lq, pair, form="log_lambda", eta=0.0), fkl(lp, lq))
+    torch.testing.assert_close(lk(lp, lq, pair, form="lambda", eta=200.0), tvd(lp, lq), atol=1e-6, rtol=1e-5)
+    overlap = torch.minimum(lp.exp(), lq.exp()).sum(-1)
+    torch.testing.assert_close(lk(lp, lq, pair, form="log", eta=3.0), -overlap.log())
+    lam = torch.exp(-3.0 * overlap)
+    want = lam * fkl(lp, lq) + (1 - lam) * (1 - overlap)
+    torch.testing.assert_close(lk(lp, lq, pair, form="lambda", eta=3.0), want)
+    with pytest.raises(ValueError, match="lk loss form"):
+        lk(lp, lq, pair, form="hybrid", eta=3.0)
+
+
+def test_residual_weighted_fkl_is_fkl_reweighted_by_the_residual():
+    lp, lq = _logp(seed=32), _logp(seed=33)
+    alpha = torch.full((6,), 0.7)
+    torch.testing.assert_close(
+        residual_weighted_fkl(lp, lq, alpha), fkl(lp, lq)
+    )  # equal residuals: plain fkl
+    alpha = torch.tensor([0.2, 0.4, 0.6, 0.8, 1.0, 0.5])
+    w = (1 - alpha) / (1 - alpha).mean()
+    torch.testing.assert_close(residual_weighted_fkl(lp, lq, alpha), w * fkl(lp, lq))
+    assert residual_weighted_fkl(lp, lq, alpha)[4] == 0  # a fully accepted position does not train
+
+
+def test_reach_weights_are_the_derivatives_of_tau():
+    a = [0.9, 0.7, 0.5, 0.3]
+
+    def tau(x):
+        return 1 + sum(torch.stack(x[:k]).prod() for k in range(1, len(x) + 1))
+
+    x = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in a]
+    tau(x).backward()
+    assert reach_weights(a) == pytest.approx([v.grad.item() for v in x])
+    assert reach_weights([1.0, 1.0, 1.0]) == pytest.approx([3, 2, 1])  # depth d unlocks D - d tokens
+
+
+def test_reach_draws_group_the_tree_by_n():
+    decode = DecodeConfig(tree=[4, 2, 1, 1])
+    lp, lq = _logp(seed=34), _logp(seed=35)
+    draws = residual_draws(LossConfig(draws="reach"), decode, (lp, lq))
+    assert [n for n, _ in draws] == [1, 2, 4] and sum(w for _, w in draws) == pytest.approx(1.0)
+    from resispec.verify import VERIFIERS
+
+    a = {n: VERIFIERS["resispec"].acceptance(lp.exp(), lq.exp(), n).mean().item() for n in (1, 2, 4)}
+    g = reach_weights([a[4], a[2], a[1], a[1]])
+    assert [w for _, w in draws] == pytest.approx([(g[2] + g[3]) / sum(g), g[1] / sum(g), g[0] / sum(g)])
+    # without the pair (config checks) the depths weigh the same
+    assert residual_draws(LossConfig(draws="reach"), decode) == [(1, 0.5), (2, 0.25), (4, 0.25)]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(name="lk", form="lambda"),
+        LossConfig(name="lk", form="log"),
+        LossConfig(name="lk", form="log_lambda"),
+        LossConfig(name="fkl_residual", draws="tree"),
+        LossConfig(name="fkl_residual", draws="reach"),
+        LossConfig(name="residual", draws="reach"),
+    ],
+    ids=lambda c: f"{c.name}-{c.form}-{c.draws}",
+)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_new_losses_train_with_finite_gradients(cfg, sparse):
+    """Every new loss runs through distill_loss (dense and top-K targets, top-p served), gives finite gradients,
+    and a small step along them lowers it."""
+    decode = DecodeConfig(tree=[4, 2, 1, 1], top_p=0.95)
+    check_loss_config(cfg, decode)
+    t = _logits(n=8, seed=36)[None]
+    if sparse:
+        top = torch.topk(log_probs(t[0], decode.temperature), 6, dim=-1)
+        target = TargetSignal(top.values[None], top.indices[None])
+    else:
+        target = TargetSignal(t)
+    q = _logits(n=8, seed=37)[None].requires_grad_(True)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0]])
+    loss, _ = distill_loss(q, target, mask, cfg, decode)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+    with torch.no_grad():
+        after, _ = distill_loss(q - 0.3 * q.grad / q.grad.norm(), target, mask, cfg, decode)
+    assert after < loss
