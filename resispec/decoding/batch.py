@@ -6,7 +6,7 @@ max tokens and torch.Generator. They join and leave at step boundaries:
   add(prompt, ...)  prefill the new row alone (one batch-1 forward over prompt[:-1], as the batch-1 decoder does),
                     then merge its cache into the batch cache as a new row.
   step()            one target forward over every row's pending token; each row samples its own next token with
-                    THE sampling transform (resispec.decoding.sampling) and its own generator, checks its own stops;
+                    THE sampling transform (resispec.sampling) and its own generator, checks its own stops;
                     finished rows leave the batch.
   remove(row)       drop a row now (a cancelled request).
 
@@ -39,9 +39,11 @@ from resispec.decoding.kv_cache import (
     select_cache_rows,
     trim_cache_left,
 )
-from resispec.decoding.sampling import process_logits, sample_tokens
+from resispec.decoding.lean import walk_greedy, walk_sampled
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
+from resispec.sampling import is_greedy, sample_tokens
+from resispec.sampling import probs as process_logits
 
 
 @dataclass(eq=False)
@@ -66,7 +68,7 @@ class BatchRow:
 
     @property
     def greedy(self) -> bool:
-        return self.settings["temperature"] <= 0.0
+        return is_greedy(self.settings["temperature"])
 
     def emit(self, tok: int) -> bool:
         """Record one token; True when it ends the row (EOS, stop checker, max tokens)."""
@@ -339,8 +341,8 @@ class BatchedSpeculativeDecoder:
         greedy_topk: bool = True,
     ) -> None:
         from resispec.decoding.engine import _resolve_rule
-        from resispec.decoding.tokenizers import resolve_vocab_size
         from resispec.decoding.tree import max_tree_nodes, parse_tree
+        from resispec.decoding.vocab import resolve_vocab_size
 
         self.target, self.draft = target.eval(), draft.eval()
         self.tokenizer = tokenizer
@@ -414,7 +416,7 @@ class BatchedSpeculativeDecoder:
         one-token verify); when no row drafts there is no draft forward at all and the tokens the draft has not
         seen pile up in each row's `pending`, fed with the next drafting step. So the caller can switch
         speculation off and on between steps (by load) without leaving exactness."""
-        from resispec.decoding.engine import GREEDY_TOPK, SpeculativeDecoder
+        from resispec.decoding.engine import GREEDY_TOPK
         from resispec.decoding.tree import DraftTree
 
         rows = self.rows
@@ -472,7 +474,7 @@ class BatchedSpeculativeDecoder:
                         growing[b] = False
                         continue
                     proposal = rules[b].propose(qs[b], shape[depth - 1], r.generator)
-                    level = trees[b].add_level(proposal.tokens.tolist())
+                    level = trees[b].add_level(proposal.token_ids.tolist())
                     if len(level) == 0:
                         growing[b] = False
                         continue
@@ -530,8 +532,16 @@ class BatchedSpeculativeDecoder:
         t_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
         out = []
         for b, (r, tree) in enumerate(zip(rows, trees, strict=True)):
-            p = self._probs(logits[b, : tree.num_nodes], r.settings)
-            run, accepted = SpeculativeDecoder._walk(rules[b], tree, p, proposals[b], r.generator, r.greedy)
+            if greedy_tk[b]:  # temperature 0: argmax p at every node, the walk of the lean step
+                run, accepted = walk_greedy(
+                    tree, logits[b, : tree.num_nodes, : self.vocab_size].argmax(-1).tolist()
+                )
+            else:  # the lean step's walk (same randomness as a row decoded alone)
+
+                def p_at(node: int, b: int = b, r: BatchRow = r) -> torch.Tensor:
+                    return self._probs(logits[b, node : node + 1], r.settings)
+
+                run, accepted = walk_sampled(rules[b], tree, p_at, proposals[b], r.generator)
             t_valid[b, [0] + accepted] = True
             for n in accepted:
                 if tree.depths[n] <= fed[b]:

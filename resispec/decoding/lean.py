@@ -106,9 +106,13 @@ def lean_spec_steps(
 
         # ---- accept phase
         if greedy:
-            run, accepted = _walk_greedy(tree, best)
+            run, accepted = walk_greedy(tree, best)
         else:
-            run, accepted = _walk_sampled(dec, rule, tree, logits, proposals, settings, generator)
+
+            def p_at(node: int, logits: torch.Tensor = logits) -> torch.Tensor:
+                return dec._probs(logits[node : node + 1], settings)  # [1, V]
+
+            run, accepted = walk_sampled(rule, tree, p_at, proposals, generator)
         stats.accept_seconds += time.perf_counter() - t2
 
         num_acc = len(accepted)
@@ -135,7 +139,7 @@ def lean_spec_steps(
             dec.after_step(tcache, dcache, committed)
 
 
-def _walk_greedy(tree: DraftTree, best: list[int]) -> tuple[list[int], list[int]]:
+def walk_greedy(tree: DraftTree, best: list[int]) -> tuple[list[int], list[int]]:
     """Temperature 0: from the root, emit argmax p; continue while it is a child. best[i] = argmax p at node i."""
     node, run, accepted = 0, [], []
     while True:
@@ -148,12 +152,13 @@ def _walk_greedy(tree: DraftTree, best: list[int]) -> tuple[list[int], list[int]
         node = child
 
 
-def _walk_sampled(dec, rule, tree, logits, proposals, settings, generator):
-    """Verify only the nodes the walk reaches, each as a one-row proposal (module docstring)."""
+def walk_sampled(rule, tree: DraftTree, p_at, proposals: list, generator) -> tuple[list[int], list[int]]:
+    """Verify only the nodes the walk reaches, each as a one-row proposal (module docstring).
+    p_at(node) -> [1, V]: the target distribution at `node`. Returns (emitted run, accepted node ids)."""
     node, run, accepted = 0, [], []
     for depth in range(1, tree.depth + 1):
         row = node - tree.level_starts[depth - 1]
-        p = dec._probs(logits[node : node + 1], settings)  # [1, V]
+        p = p_at(node)  # [1, V]
         token, slot = rule.verify(p, proposals[depth - 1].select(row), generator)
         tok, hit = torch.stack([token[0], slot[0]]).tolist()
         run.append(tok)
@@ -164,6 +169,6 @@ def _walk_sampled(dec, rule, tree, logits, proposals, settings, generator):
             raise RuntimeError(f"rule accepted token {tok} that is not a child of node {node}")
         node = child
         accepted.append(node)
-    leaf_p = dec._probs(logits[node : node + 1], settings)  # [1, V]
+    leaf_p = p_at(node)  # [1, V]
     run.append(int(sample_tokens(leaf_p, generator).item()))
     return run, accepted

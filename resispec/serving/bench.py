@@ -24,6 +24,14 @@ import torch
 from resispec.data.prompts import load_prompts
 from resispec.decoding import DecodeStats, SpeculativeDecoder
 from resispec.decoding.config import DecodeConfig
+from resispec.decoding.planner import (
+    CostModel,
+    Plan,
+    calibrate_alpha,
+    measure_costs,
+    measure_overhead,
+    plan_tree,
+)
 from resispec.models import load_pair
 from resispec.models.config import ModelConfig
 from resispec.models.loading import check_same_tokenizer, load_model, load_tokenizer, resolve_device
@@ -165,8 +173,10 @@ def _methods(
     decode: DecodeConfig,
     temperature: float,
     sampling: dict,
+    plan: _Planner | None = None,
 ) -> list[_Method]:
-    """AR first (the baseline), then every (draft, rule, tree), then HF assisted per draft and chain length."""
+    """AR first (the baseline), then every (draft, rule, tree), the planner's tree per rule in bench.plan_rules,
+    then HF assisted per draft and chain length."""
 
     device = next(target.parameters()).device
     first_draft = next(iter(drafts.values()))
@@ -185,6 +195,19 @@ def _methods(
                 )
                 row = BenchRow("spec", temperature, draft=label, rule=rule, tree=_tree_str(tree))
                 out.append(_decoder_method(row, dec.generate, device, sampling))
+        for rule in bench.plan_rules if plan is not None else ():
+            chosen = plan.choose(label, draft, rule, temperature, sampling)
+            dec = SpeculativeDecoder(
+                target,
+                draft,
+                rule=build_rule(rule, decode.auto_policy),
+                tree=chosen.tree,
+                tokenizer=tokenizer,
+                compile=decode.compile,
+            )
+            row = BenchRow("spec", temperature, draft=label, rule=rule, tree="auto" + _tree_str(chosen.tree))
+            row.stats["plan"] = chosen.as_dict()
+            out.append(_decoder_method(row, dec.generate, device, sampling))
         if bench.hf_assisted:
             for k in hf_chain_lengths(bench):
                 row = BenchRow("hf_assisted", temperature, draft=label, rule="hf", tree=f"chain {k}")
@@ -204,8 +227,10 @@ def bench_pair(
     bench: BenchConfig,
     decode: DecodeConfig,
     progress: bool = True,
+    calibration: list[list[int]] | None = None,
 ) -> list[BenchRow]:
-    """Measure AR, every (draft, rule, tree) and HF assisted generation on `prompts` at each temperature.
+    """Measure AR, every (draft, rule, tree), the planned trees and HF assisted generation on `prompts` at each
+    temperature. `calibration`: prompts for the planner (default: the bench prompts themselves).
 
     Methods are interleaved per prompt (prompt 1: every method, prompt 2: every method, ...), so a slow phase of
     a shared machine hits all methods alike and the speedups stay comparable."""
@@ -219,6 +244,7 @@ def bench_pair(
         eos = tokenizer.eos_token_id
     rows: list[BenchRow] = []
     bar = None
+    plan = _Planner(target, calibration or prompts, eos) if bench.plan_rules else None
     for temperature in bench.temperatures:
         sampling = dict(
             max_new_tokens=bench.max_new_tokens,
@@ -227,7 +253,7 @@ def bench_pair(
             top_k=decode.top_k,
             eos_token_id=eos,
         )
-        methods = _methods(target, drafts, tokenizer, bench, decode, temperature, sampling)
+        methods = _methods(target, drafts, tokenizer, bench, decode, temperature, sampling, plan)
         if bar is None:
             total = len(methods) * (len(prompts) + bench.warmup) * len(bench.temperatures)
             bar = tqdm(total=total, desc="bench", disable=not progress, unit="gen")
@@ -256,11 +282,14 @@ def bench_pair(
             r.speedup = r.tokens_per_second / ar_tps
             if m.stats:
                 total_stats = _sum_stats(m.stats)
-                r.stats = total_stats.as_dict()
+                r.stats = {**r.stats, **total_stats.as_dict()}  # keeps the plan of a tree=auto row
                 r.tau = total_stats.tau
                 if r.method == "spec":
                     r.per_depth_acceptance = total_stats.per_depth_acceptance
                     r.c = total_stats.c
+                    if plan is not None:
+                        cost = plan.cost_for(drafts[r.draft])
+                        r.stats["breakdown"] = step_breakdown(total_stats, cost, r.tree)
             rows.append(r)
         if bench.vllm:
             from resispec.serving import vllm_peer
@@ -268,7 +297,82 @@ def bench_pair(
             vllm_peer.finish(methods, bench)
     if bar is not None:
         bar.close()
+    if plan is not None and rows:  # the measured cost model travels with the AR row into report.json
+        rows[0].stats["cost_model"] = {
+            label: {"target_ms": c.target_ms, "draft_ms": c.draft_ms}
+            for label, c in plan.costs(drafts).items()
+        }
     return rows
+
+
+class _Planner:
+    """The tree planner for the bench: one cost model per run, one calibration per (draft, rule, temperature)."""
+
+    def __init__(self, target, prompts: list[list[int]], eos) -> None:
+        self.target, self.prompts, self.eos = target, prompts, eos
+        self.target_ms = measure_costs(target).target_ms
+        self._draft_ms: dict[int, dict[int, float]] = {}
+        self._continuations: dict[float, list[list[int]]] = {}
+
+    def cost_for(self, draft) -> CostModel:
+        """Target and `draft` forward times on this device (the draft's measured once)."""
+        if id(draft) not in self._draft_ms:
+            self._draft_ms[id(draft)] = measure_costs(draft).target_ms
+        return CostModel(self.target_ms, self._draft_ms[id(draft)])
+
+    def costs(self, drafts: dict[str, Any]) -> dict[str, CostModel]:
+        return {label: self.cost_for(d) for label, d in drafts.items()}
+
+    def _sequences(self, temperature: float, sampling: dict) -> list[list[int]]:
+        if temperature not in self._continuations:
+            dec = SpeculativeDecoder(self.target, self.target, rule="chain", tree=[1])
+            device = next(self.target.parameters()).device
+            seqs = []
+            for i, p in enumerate(self.prompts):
+                ids = torch.tensor([p], device=device)
+                gen = _seeded(10_000 + i, device)
+                out = dec.generate_autoregressive(ids, generator=gen, **{**sampling, "max_new_tokens": 32})
+                seqs.append(out.sequences[0].tolist())
+            self._continuations[temperature] = seqs
+        return self._continuations[temperature]
+
+    def choose(self, label: str, draft, rule: str, temperature: float, sampling: dict) -> Plan:
+        cost = self.cost_for(draft)
+        settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p")}
+        alphas = []
+        for seq, p in zip(self._sequences(temperature, sampling), self.prompts, strict=True):
+            alphas.append(calibrate_alpha(self.target, draft, [seq], rule, settings, start=len(p)))
+        alpha = {n: sum(a[n] for a in alphas) / len(alphas) for n in alphas[0]}
+        cost.overhead_ms = measure_overhead(self.target, draft, rule, self.prompts[0], sampling, cost)
+        chosen = plan_tree(cost, alpha)
+        log.info("T=%g %s %s: %s (alpha %s)", temperature, label, rule, chosen.describe(), alpha)
+        print(f"planner T={temperature:g} {label} {rule}: {chosen.describe()}")
+        return chosen
+
+
+def step_breakdown(stats: DecodeStats, cost: CostModel, tree: str) -> dict[str, float]:
+    """Per-step milliseconds of a speculative row: draft phase (forwards + drafting), target forward, accept walk,
+    the rest (cache compaction, stats), and the host overhead = step time minus the two models' forward time as
+    the cost model predicts it for that tree, also as a fraction of one target forward (one token)."""
+    steps = max(stats.num_drafts, 1)
+    step = 1e3 * stats.total_seconds / steps
+    draft, target, accept = (
+        1e3 * x / steps for x in (stats.draft_seconds, stats.target_seconds, stats.accept_seconds)
+    )
+    shape = [int(b) for b in tree.removeprefix("auto").strip("[]").split(",")]
+    forwards = CostModel(cost.target_ms, cost.draft_ms).step_ms(shape)  # no overhead term: forwards only
+    nodes = 1 + stats.num_draft_tokens / steps
+    return {
+        "step_ms": step,
+        "draft_ms": draft,
+        "target_ms": target,
+        "accept_ms": accept,
+        "other_ms": step - draft - target - accept,
+        "mean_nodes": nodes,
+        "model_forward_ms": forwards,
+        "overhead_ms": step - forwards,
+        "overhead_frac_of_target_forward": (step - forwards) / cost.target(1),
+    }
 
 
 # ---------------------------------------------------------------- reporting
@@ -385,11 +489,67 @@ def write_report(rows: list[BenchRow], output_dir: str | Path, meta: dict[str, A
         markdown_table(rows),
         "",
     ]
+    lines += breakdown_markdown(rows)
     paths["md"].write_text("\n".join(lines))
     payload = {"meta": meta, "rows": [{**asdict(r), "label": r.label} for r in rows]}
     paths["json"].write_text(json.dumps(payload, indent=2, default=str))
     plot_speedup(rows, paths["png"])
     return paths
+
+
+def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
+    """The per-step time breakdown of the speculative rows and the measured cost model, as markdown lines."""
+    lines: list[str] = []
+    costs = rows[0].stats.get("cost_model") if rows else None
+    if costs:
+        for label, c in costs.items():
+            nodes = sorted(c["target_ms"])
+            t1 = c["target_ms"][nodes[0]]
+            lines += [
+                f"Forward cost on this device (draft `{label}`): ms per forward over n new tokens after a 64-token "
+                "cached prefix, and relative to one token.",
+                "",
+                "| n | " + " | ".join(str(n) for n in nodes) + " |",
+                "|---|" + "---|" * len(nodes),
+                "| target ms | " + " | ".join(f"{c['target_ms'][n]:.2f}" for n in nodes) + " |",
+                "| target / 1 token | " + " | ".join(f"{c['target_ms'][n] / t1:.2f}" for n in nodes) + " |",
+                "| draft ms | " + " | ".join(f"{c['draft_ms'][n]:.2f}" for n in nodes) + " |",
+                "",
+            ]
+    spec = [r for r in rows if r.stats.get("breakdown")]
+    if spec:
+        lines += [
+            "Per-step breakdown (ms per speculative step): draft phase (forwards + drafting), target forward, accept "
+            "walk, other (cache compaction, bookkeeping); overhead = step minus the two models' forward time "
+            "predicted by the cost model for that tree, and as a fraction of one target forward (1 token).",
+            "",
+            "| T | row | nodes | step | draft | target | accept | other | overhead | overhead / target fwd |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in spec:
+            b = r.stats["breakdown"]
+            lines.append(
+                f"| {r.temperature:g} | {r.label} | {b['mean_nodes']:.1f} | {b['step_ms']:.2f} | {b['draft_ms']:.2f} "
+                f"| {b['target_ms']:.2f} | {b['accept_ms']:.2f} | {b['other_ms']:.2f} | {b['overhead_ms']:.2f} "
+                f"| {b['overhead_frac_of_target_forward']:.0%} |"
+            )
+        lines.append("")
+    planned = [r for r in rows if r.stats.get("plan")]
+    if planned:
+        lines += [
+            "tree=auto: the planner's choice, predicted against measured (same run).",
+            "",
+            "| T | row | predicted tau | measured tau | predicted speedup | measured speedup |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in planned:
+            pl = r.stats["plan"]
+            lines.append(
+                f"| {r.temperature:g} | {r.label} | {pl['tau']:.2f} | {_fmt(r.tau)} | {pl['speedup']:.2f} "
+                f"| {_fmt(r.speedup)} |"
+            )
+        lines.append("")
+    return lines
 
 
 def log_wandb(rows: list[BenchRow], logger, output_dir: Path, run_name: str, meta: dict[str, Any]) -> None:

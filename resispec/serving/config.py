@@ -57,6 +57,10 @@ class BenchConfig:
     ignore_eos: bool = True  # load test: every request runs to max_tokens, so lost tokens show
     seed: int = 0
     output_dir: str | None = None  # default: the Hydra run folder
+    # tree=auto rows: for each of these rules the planner (resispec/decoding/planner.py) picks the tree from this
+    # device's measured costs and the rule's calibrated acceptance; the report shows predicted vs measured
+    plan_rules: list[str] = field(default_factory=lambda: ["resispec", "resispec_auto"])
+    plan_calibration_prompts: int = 4  # validation prompts (+ the target's continuations) for the calibration
     # time a random-weight pair shaped like the tiny world (no built world, random prompts): speed only, tau is noise
     random_pair: bool = False
     # vLLM as a peer (resispec/serving/vllm_peer.py; needs scripts/setup_vllm.sh): vLLM AR and vLLM with each draft

@@ -2,7 +2,7 @@
 
 Exact and simple: a `Scorer` keeps its own KV cache of the TARGET for one request and runs it over the prompt, then
 over each chunk of emitted tokens (on the decoding worker's thread, which owns the models). The log-probs are the
-sampling transform's log view (`resispec.losses.process_logits`: the request's temperature, top-k and top-p; greedy
+sampling transform's log view (`resispec.sampling.log_probs`: the request's temperature, top-k and top-p; greedy
 requests score at temperature 1, as vLLM reports raw log-probs), so they equal what plain autoregressive decoding
 with the same settings computes at every position, whichever rule and tree emitted the tokens. A request that asks
 for no log-probs costs nothing.

@@ -25,6 +25,7 @@ def test_bench_script_writes_report(micro_world, tmp_path):
         "bench.rules=[chain,resispec]",
         "bench.trees=[[2,1]]",
         "bench.temperatures=[0.0,1.0]",
+        "bench.plan_rules=[resispec]",
         "logger.wandb.mode=offline",
         f"logger.wandb.dir={tmp_path}",
         f"hydra.run.dir={tmp_path / 'hydra'}",
@@ -35,8 +36,8 @@ def test_bench_script_writes_report(micro_world, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert {"report.md", "report.json", "speedup.png"} <= {p.name for p in out.iterdir()}
     rows = json.loads((out / "report.json").read_text())["rows"]
-    # per temperature: AR + per draft (2 rules x 1 tree + HF assisted chain 2)
-    assert len(rows) == 2 * (1 + 2 * (2 + 1))
+    # per temperature: AR + per draft (2 rules x 1 tree + the planned tree of 1 rule + HF assisted chain 2)
+    assert len(rows) == 2 * (1 + 2 * (2 + 1 + 1))
     assert {r["draft"] for r in rows} == {"-", "draft", "second"}
     for t in (0.0, 1.0):
         at = [r for r in rows if r["temperature"] == t]
@@ -45,11 +46,16 @@ def test_bench_script_writes_report(micro_world, tmp_path):
         for r in at:
             assert r["num_tokens"] > 0 and r["tokens_per_second"] > 0
             assert abs(r["speedup"] - r["tokens_per_second"] / ar_tps) < 1e-9
-            if r["method"] == "spec":
+            if r["method"] == "spec" and r["tree"].startswith("auto"):  # the planner's tree, with its prediction
+                plan = r["stats"]["plan"]
+                assert r["tree"] == "auto[" + ",".join(map(str, plan["tree"])) + "]" and plan["tau"] >= 1.0
+            elif r["method"] == "spec":
                 assert r["tau"] >= 1.0 and len(r["per_depth_acceptance"]) == 2 and r["c"] > 0
                 if t == 0.0:  # greedy: every method emits the same tokens as AR
                     assert r["num_tokens"] == at[0]["num_tokens"]
-    assert "| T | method |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| T | method |" in report and "Per-step breakdown" in report and "tree=auto" in report
+    assert set(rows[0]["stats"]["cost_model"]) == {"draft", "second"}  # target and draft ms vs tokens
     assert "tok/s" in proc.stdout and "speedup" in proc.stdout  # the rich table was printed
     assert list(tmp_path.glob("wandb/offline-run-*")), "no offline W&B run was written"
 
@@ -71,6 +77,7 @@ def test_bench_random_pair_needs_no_world(tmp_path):
         rules=["chain"],
         trees=[[2, 1]],
         hf_assisted=False,
+        plan_rules=[],
         output_dir=str(tmp_path),
     )
     missing = ModelConfig(path=str(tmp_path / "no_such_model"), device="cpu")  # never loaded

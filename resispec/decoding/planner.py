@@ -1,0 +1,232 @@
+"""The tree planner: pick the draft tree that maximises expected tokens per second on THIS device and pair.
+
+    cost = measure_costs(target, draft)                       # ms per forward vs tokens fed, this device
+    alpha = calibrate_alpha(target, draft, prompts, rule, settings)   # per-node acceptance vs number of draws
+    plan = plan_tree(cost, alpha)                             # Plan(tree, tau, speedup, ...)
+
+Model (Sequoia's idea restricted to per-depth branching): a tree [b_1, ..., b_D] accepts depth d with probability
+prod_{j <= d} alpha(b_j), so the expected accepted length is tau = 1 + sum_d prod_{j <= d} alpha(b_j); one step
+costs the draft forwards (depth 0 feeds one token, depth d < D feeds the b_1 ... b_d nodes of level d), the target
+forward over all 1 + sum_d prod_{j <= d} b_j nodes, and a measured per-step host overhead. Speedup = tau / step
+time, over the AR cost of one target token. A chain is one candidate among the others: where chains pay more, the
+planner returns a chain. alpha is measured per number of draws at held-out positions of the target's own
+continuations (closed form where the rule has one, else Monte Carlo through the rule's propose/verify).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from resispec.decoding.kv_cache import crop_cache, forward_logits, new_cache, tree_attention_mask
+from resispec.decoding.tree import max_tree_nodes
+from resispec.sampling import is_greedy, probs
+from resispec.verify import VERIFIERS, covers
+from resispec.verify.estimate import monte_carlo_alpha
+
+NODE_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32)
+
+
+@dataclass
+class CostModel:
+    """Forward times in ms by number of tokens fed (after a cached prefix), and the per-step host overhead."""
+
+    target_ms: dict[int, float]
+    draft_ms: dict[int, float]
+    overhead_ms: float = 0.0
+
+    @staticmethod
+    def _at(table: dict[int, float], n: int) -> float:
+        keys = sorted(table)
+        if n <= keys[0]:
+            return table[keys[0]]
+        for lo, hi in itertools.pairwise(keys):
+            if n <= hi:
+                return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+        return table[keys[-1]] * n / keys[-1]  # beyond the grid: linear in tokens (pessimistic)
+
+    def target(self, n: int) -> float:
+        return self._at(self.target_ms, n)
+
+    def draft(self, n: int) -> float:
+        return self._at(self.draft_ms, n)
+
+    def step_ms(self, tree: Sequence[int]) -> float:
+        """Predicted ms of one speculative step with tree `tree` (no repeated draws merged: an upper bound)."""
+        widths, width = [1], 1
+        for b in tree[:-1]:
+            width *= b
+            widths.append(width)
+        return (
+            sum(self.draft(w) for w in widths)
+            + self.target(1 + max_tree_nodes(list(tree)))
+            + self.overhead_ms
+        )
+
+
+@dataclass
+class Plan:
+    tree: list[int]
+    tau: float  # predicted accepted length
+    step_ms: float
+    tokens_per_s: float
+    speedup: float  # predicted, over AR of the same target on this device
+
+    def describe(self) -> str:
+        return (
+            f"tree={self.tree} predicted tau {self.tau:.2f}, step {self.step_ms:.1f} ms, "
+            f"{self.tokens_per_s:.0f} tok/s, speedup {self.speedup:.2f}x over AR"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def forward_ms(
+    model: torch.nn.Module, num_tokens: int, prefix_len: int = 64, reps: int = 7, vocab: int | None = None
+) -> float:
+    """Median ms of one cached forward over `num_tokens` new tokens under a tree-style 4D mask."""
+    dev = next(model.parameters()).device
+    vocab = vocab or model.config.vocab_size
+    gen = torch.Generator().manual_seed(num_tokens)
+    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(dev)
+    ids = torch.randint(0, vocab, (1, num_tokens), generator=gen).to(dev)
+    pos = torch.arange(prefix_len, prefix_len + num_tokens, device=dev)[None]
+    block = torch.tril(torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=dev))
+    mask = tree_attention_mask(prefix_len, block, model.dtype) if num_tokens > 1 else None
+
+    cache = new_cache(model)
+    forward_logits(model, prefix, cache, logits_to_keep=1)
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        forward_logits(model, ids, cache, pos, mask)
+        times.append(time.perf_counter() - t0)
+        crop_cache(cache, prefix_len)  # back to the prefix: every rep extends the same cached prefix
+    return 1e3 * statistics.median(times[1:])
+
+
+def measure_costs(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None = None,
+    nodes: Sequence[int] = NODE_GRID,
+    reps: int = 7,
+) -> CostModel:
+    """Target (and draft) forward time against tokens fed, on this device (the planner's cost model)."""
+    return CostModel(
+        target_ms={n: forward_ms(target, n, reps=reps) for n in nodes},
+        draft_ms={} if draft is None else {n: forward_ms(draft, n, reps=reps) for n in nodes},
+    )
+
+
+def measure_overhead(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    rule,
+    prompt: Sequence[int],
+    sampling: dict,
+    cost: CostModel,
+    tree: Sequence[int] = (2, 2, 1),
+    max_new_tokens: int = 32,
+) -> float:
+    """Host ms per speculative step beyond the forwards the cost model predicts: one short decode of `prompt`."""
+    from resispec.decoding.engine import SpeculativeDecoder
+    from resispec.verify import build_rule
+
+    dec = SpeculativeDecoder(
+        target, draft, rule=build_rule(rule) if isinstance(rule, str) else rule, tree=tree
+    )
+    ids = torch.tensor([list(prompt)], device=next(target.parameters()).device)
+    kwargs = {**sampling, "max_new_tokens": max_new_tokens, "generator": torch.Generator().manual_seed(0)}
+    dec.generate(ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
+    stats = dec.generate(ids, **kwargs).stats
+    steps = max(stats.num_drafts, 1)
+    forwards = CostModel(cost.target_ms, cost.draft_ms).step_ms(list(tree))
+    return max(1e3 * stats.total_seconds / steps - forwards, 0.0)
+
+
+@torch.inference_mode()
+def calibrate_alpha(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    rule: str,
+    settings: dict,
+    start: int,
+    max_draws: int = 4,
+    samples: int = 64,
+    seed: int = 0,
+) -> dict[int, float]:
+    """Mean per-node acceptance alpha(n), n = 1..max_draws, of `rule` under `settings` (temperature/top-k/top-p)
+    at the positions >= `start` of each sequence (prompt + the target's own continuation). Temperature 0: the
+    greedy rule's acceptance, P(argmax p among the top-n of q)."""
+    dev = next(target.parameters()).device
+    ps, qs = [], []
+    for seq in sequences:
+        ids = torch.tensor([list(seq)], device=dev)
+        vocab = min(target.config.vocab_size, draft.config.vocab_size)
+        tl = target(input_ids=ids).logits[0, start - 1 : -1, :vocab].float()
+        dl = draft(input_ids=ids).logits[0, start - 1 : -1, :vocab].float()
+        ps.append(tl)
+        qs.append(dl)
+    t_logits, d_logits = torch.cat(ps), torch.cat(qs)  # [N, V]
+    out = {}
+    if is_greedy(settings.get("temperature", 1.0)):
+        best = t_logits.argmax(-1, keepdim=True)  # [N, 1]
+        order = d_logits.argsort(-1, descending=True)
+        for n in range(1, max_draws + 1):
+            out[n] = float((order[:, :n] == best).any(-1).double().mean())
+        return out
+    p, q = probs(t_logits, **settings), probs(d_logits, **settings)
+    rule_obj = VERIFIERS[rule]
+    gen = torch.Generator(device=p.device).manual_seed(seed)
+    for n in range(1, max_draws + 1):
+        if covers(rule_obj.closed_form_draws, n):
+            out[n] = float(rule_obj.acceptance(p.double(), q.double(), n).mean())
+        else:
+            out[n] = float(monte_carlo_alpha(rule_obj, p, q, n, samples, gen)[0].mean())
+    return out
+
+
+def expected_tau(tree: Sequence[int], alpha: dict[int, float]) -> float:
+    """1 + sum_d prod_{j <= d} alpha(b_j): the accepted length if depths accept independently."""
+    tau, reach = 1.0, 1.0
+    for b in tree:
+        reach *= alpha[b]
+        tau += reach
+    return tau
+
+
+def candidate_trees(max_nodes: int = 32, max_depth: int = 6, max_branch: int = 4) -> list[list[int]]:
+    """Per-depth branchings, non-increasing with depth, at most `max_nodes` nodes (chains included)."""
+    out = []
+    for depth in range(1, max_depth + 1):
+        for tree in itertools.product(range(1, max_branch + 1), repeat=depth):
+            if all(a >= b for a, b in itertools.pairwise(tree)) and max_tree_nodes(list(tree)) <= max_nodes:
+                out.append(list(tree))
+    return out
+
+
+def plan_tree(
+    cost: CostModel, alpha: dict[int, float], candidates: Sequence[Sequence[int]] | None = None
+) -> Plan:
+    """The candidate tree with the highest predicted tokens per second (module docstring)."""
+    ar_tps = 1e3 / cost.target(1)
+    best: Plan | None = None
+    usable = [t for t in (candidates or candidate_trees(max_branch=max(alpha))) if all(b in alpha for b in t)]
+    for tree in usable:
+        tau = expected_tau(tree, alpha)
+        ms = cost.step_ms(tree)
+        tps = 1e3 * tau / ms
+        plan = Plan(list(tree), tau, ms, tps, tps / ar_tps)
+        if best is None or plan.tokens_per_s > best.tokens_per_s:
+            best = plan
+    assert best is not None and math.isfinite(best.tokens_per_s)
+    return best
