@@ -156,7 +156,7 @@ def residual_rule(loss: LossConfig, decode: DecodeConfig) -> str:
 def residual_num_draws(loss: LossConfig, decode: DecodeConfig) -> int:
     """n for the residual loss: loss.num_draws, else the root's branching decode.tree[0] (the node with the most
     candidates, where the rules differ most)."""
-    return loss.num_draws or int(decode.tree[0])
+    return loss.num_draws or int(decode.fixed_tree[0])
 
 
 def residual_draws(
@@ -172,7 +172,7 @@ def residual_draws(
         return [(residual_num_draws(loss, decode), 1.0)]
     if loss.draws not in ("tree", "reach"):
         raise ValueError(f"loss.draws must be root, tree or reach, got {loss.draws!r}")
-    tree = [int(n) for n in decode.tree]
+    tree = [int(n) for n in decode.fixed_tree]
     if loss.draws == "reach" and served is not None:
         rule, (log_p, log_q) = residual_rule(loss, decode), served
         with torch.no_grad():
@@ -373,7 +373,7 @@ def distill_loss(
     # with draws=tree the depth weights live inside the residual loss; positions then weigh the same
     tree_weighted = loss.name in ("residual", "fkl_residual") and loss.draws != "root"
     weights = position_weights(
-        loss_mask, 1.0 if tree_weighted else loss.depth_decay, len(decode.tree)
+        loss_mask, 1.0 if tree_weighted else loss.depth_decay, len(decode.fixed_tree)
     )  # [B, T]
     sel = loss_mask.bool()  # only the response positions are computed: they are all the loss needs
     q_logits = draft_logits[sel]  # [N, V]

@@ -4,6 +4,7 @@ Examples:
   python serve/server.py                                   # the embedded tiny pair on 127.0.0.1:8000
   python serve/server.py +recipe=debug server.port=8123     # the micro pair
   python serve/server.py decode.rule=rrs decode.tree=[1,1,1,1] server.api_key=secret
+  python serve/server.py decode.tree=auto                  # the planner picks the tree on this device at start-up
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ register_configs()
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     c = to_typed(cfg)
-    serve(c.server, c.decode, c.target, c.draft, c.world)
+    serve(c.server, c.decode, c.target, c.draft, c.world, c.data)
 
 
 if __name__ == "__main__":

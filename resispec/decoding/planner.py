@@ -20,7 +20,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -40,6 +40,9 @@ class CostModel:
     target_ms: dict[int, float]
     draft_ms: dict[int, float]
     overhead_ms: float = 0.0
+    # ms to propose and verify one node by number of draws (sampled decoding; empty at temperature 0, where the
+    # walk is one argmax): a walk verifies depth d only when it reaches d, see verify_cost
+    verify_ms: dict[int, float] = field(default_factory=dict)
 
     @staticmethod
     def _at(table: dict[int, float], n: int) -> float:
@@ -69,6 +72,14 @@ class CostModel:
             + self.overhead_ms
         )
 
+    def verify_cost(self, tree: Sequence[int], alpha: dict[int, float]) -> float:
+        """Expected ms of the accept walk: depth d's node is verified with probability prod_{j < d} alpha(b_j)."""
+        total, reach = 0.0, 1.0
+        for b in tree:
+            total += reach * self.verify_ms.get(b, 0.0)
+            reach *= alpha[b]
+        return total
+
 
 @dataclass
 class Plan:
@@ -77,6 +88,9 @@ class Plan:
     step_ms: float
     tokens_per_s: float
     speedup: float  # predicted, over AR of the same target on this device
+    alpha: dict[int, float] = field(
+        default_factory=dict
+    )  # the calibrated per-node acceptance it was planned with
 
     def describe(self) -> str:
         return (
@@ -135,8 +149,10 @@ def measure_overhead(
     cost: CostModel,
     tree: Sequence[int] = (2, 2, 1),
     max_new_tokens: int = 32,
+    alpha: dict[int, float] | None = None,
 ) -> float:
-    """Host ms per speculative step beyond the forwards the cost model predicts: one short decode of `prompt`."""
+    """Host ms per speculative step beyond the forwards (and, given alpha, the verification) that the cost model
+    predicts: one short decode of `prompt`."""
     from resispec.decoding.engine import SpeculativeDecoder
     from resispec.verify import build_rule
 
@@ -148,8 +164,10 @@ def measure_overhead(
     dec.generate(ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
     stats = dec.generate(ids, **kwargs).stats
     steps = max(stats.num_drafts, 1)
-    forwards = CostModel(cost.target_ms, cost.draft_ms).step_ms(list(tree))
-    return max(1e3 * stats.total_seconds / steps - forwards, 0.0)
+    predicted = CostModel(cost.target_ms, cost.draft_ms).step_ms(list(tree))
+    if alpha is not None:
+        predicted += cost.verify_cost(list(tree), alpha)
+    return max(1e3 * stats.total_seconds / steps - predicted, 0.0)
 
 
 @torch.inference_mode()
@@ -223,10 +241,97 @@ def plan_tree(
     usable = [t for t in (candidates or candidate_trees(max_branch=max(alpha))) if all(b in alpha for b in t)]
     for tree in usable:
         tau = expected_tau(tree, alpha)
-        ms = cost.step_ms(tree)
+        ms = cost.step_ms(tree) + cost.verify_cost(tree, alpha)
         tps = 1e3 * tau / ms
-        plan = Plan(list(tree), tau, ms, tps, tps / ar_tps)
+        plan = Plan(list(tree), tau, ms, tps, tps / ar_tps, dict(alpha))
         if best is None or plan.tokens_per_s > best.tokens_per_s:
             best = plan
     assert best is not None and math.isfinite(best.tokens_per_s)
     return best
+
+
+@torch.no_grad()
+def measure_verify_ms(rule, vocab: int, max_draws: int = 4, reps: int = 15, device="cpu") -> dict[int, float]:
+    """Median ms to propose n draws and verify one node of `rule` (a rule object), n = 1..max_draws, on softmax rows
+    of this vocabulary size (the cost depends on V and n, not on the values): the accept walk's cost per node."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(1, vocab, generator=gen)
+    p = torch.softmax(logits, -1).to(device)
+    q = torch.softmax(logits + torch.randn(1, vocab, generator=gen), -1).to(device)
+    rng = torch.Generator(device=p.device).manual_seed(0)
+    out = {}
+    for n in range(1, max_draws + 1):
+        times = []
+        for _ in range(reps + 2):
+            t0 = time.perf_counter()
+            token, _slot = rule.verify(p, rule.propose(q, n, rng), rng)
+            token.tolist()  # the walk's host sync
+            times.append(time.perf_counter() - t0)
+        out[n] = 1e3 * statistics.median(times[2:])
+    return out
+
+
+class Planner:
+    """Plans trees for one target on this device: the cost model measured once, the target's own continuations
+    of `prompts` generated once per sampling setting, one calibration per (draft, rule, sampling) asked for.
+    Used by the bench (tree=auto rows) and by the server (decode.tree=auto)."""
+
+    def __init__(
+        self, target: torch.nn.Module, prompts: Sequence[Sequence[int]], continuation_tokens: int = 32
+    ):
+        if not prompts:
+            raise ValueError("the planner needs at least one calibration prompt")
+        self.target, self.prompts = target, [list(p) for p in prompts]
+        self.continuation_tokens = continuation_tokens
+        self.target_ms = measure_costs(target).target_ms
+        self._draft_ms: dict[int, dict[int, float]] = {}
+        self._continuations: dict[tuple, list[list[int]]] = {}
+
+    def cost_for(self, draft: torch.nn.Module) -> CostModel:
+        """Target and `draft` forward times on this device (each draft measured once)."""
+        if id(draft) not in self._draft_ms:
+            self._draft_ms[id(draft)] = measure_costs(draft).target_ms
+        return CostModel(self.target_ms, self._draft_ms[id(draft)])
+
+    def costs(self, drafts: dict) -> dict[str, CostModel]:
+        return {label: self.cost_for(d) for label, d in drafts.items()}
+
+    def _sequences(self, settings: dict) -> list[list[int]]:
+        key = tuple(sorted(settings.items()))
+        if key not in self._continuations:
+            from resispec.decoding.engine import SpeculativeDecoder
+
+            dec = SpeculativeDecoder(self.target, self.target, rule="chain", tree=[1])
+            device = next(self.target.parameters()).device
+            seqs = []
+            for i, p in enumerate(self.prompts):
+                ids = torch.tensor([p], device=device)
+                gen = torch.Generator(device=device).manual_seed(10_000 + i)
+                out = dec.generate_autoregressive(
+                    ids, generator=gen, max_new_tokens=self.continuation_tokens, **settings
+                )
+                seqs.append(out.sequences[0].tolist())
+            self._continuations[key] = seqs
+        return self._continuations[key]
+
+    def choose(self, draft: torch.nn.Module, rule: str, sampling: dict, auto_policy=None) -> Plan:
+        """The planned tree of `rule` (a VERIFIERS key) for `draft` under `sampling` (temperature, top_k, top_p)."""
+        from resispec.verify import build_rule
+
+        settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
+        cost = self.cost_for(draft)
+        alphas = [
+            calibrate_alpha(self.target, draft, [seq], rule, settings, start=len(p))
+            for seq, p in zip(self._sequences(settings), self.prompts, strict=True)
+        ]
+        alpha = {n: sum(a[n] for a in alphas) / len(alphas) for n in alphas[0]}
+        rule_obj = build_rule(rule, auto_policy)
+        if not is_greedy(settings.get("temperature", 1.0)):
+            vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
+            cost.verify_ms = measure_verify_ms(
+                rule_obj, vocab, max(alpha), device=next(draft.parameters()).device
+            )
+        cost.overhead_ms = measure_overhead(
+            self.target, draft, rule_obj, self.prompts[0], settings, cost, alpha=alpha
+        )
+        return plan_tree(cost, alpha)

@@ -24,14 +24,7 @@ import torch
 from resispec.data.prompts import load_prompts
 from resispec.decoding import DecodeStats, SpeculativeDecoder
 from resispec.decoding.config import DecodeConfig
-from resispec.decoding.planner import (
-    CostModel,
-    Plan,
-    calibrate_alpha,
-    measure_costs,
-    measure_overhead,
-    plan_tree,
-)
+from resispec.decoding.planner import CostModel, Planner
 from resispec.models import load_pair
 from resispec.models.config import ModelConfig
 from resispec.models.loading import check_same_tokenizer, load_model, load_tokenizer, resolve_device
@@ -173,7 +166,7 @@ def _methods(
     decode: DecodeConfig,
     temperature: float,
     sampling: dict,
-    plan: _Planner | None = None,
+    plan: Planner | None = None,
 ) -> list[_Method]:
     """AR first (the baseline), then every (draft, rule, tree), the planner's tree per rule in bench.plan_rules,
     then HF assisted per draft and chain length."""
@@ -196,7 +189,9 @@ def _methods(
                 row = BenchRow("spec", temperature, draft=label, rule=rule, tree=_tree_str(tree))
                 out.append(_decoder_method(row, dec.generate, device, sampling))
         for rule in bench.plan_rules if plan is not None else ():
-            chosen = plan.choose(label, draft, rule, temperature, sampling)
+            chosen = plan.choose(draft, rule, sampling, decode.auto_policy)
+            log.info("T=%g %s %s: %s (alpha %s)", temperature, label, rule, chosen.describe(), chosen.alpha)
+            print(f"planner T={temperature:g} {label} {rule}: {chosen.describe()}")
             dec = SpeculativeDecoder(
                 target,
                 draft,
@@ -244,7 +239,7 @@ def bench_pair(
         eos = tokenizer.eos_token_id
     rows: list[BenchRow] = []
     bar = None
-    plan = _Planner(target, calibration or prompts, eos) if bench.plan_rules else None
+    plan = Planner(target, calibration or prompts) if bench.plan_rules else None
     for temperature in bench.temperatures:
         sampling = dict(
             max_new_tokens=bench.max_new_tokens,
@@ -303,51 +298,6 @@ def bench_pair(
             for label, c in plan.costs(drafts).items()
         }
     return rows
-
-
-class _Planner:
-    """The tree planner for the bench: one cost model per run, one calibration per (draft, rule, temperature)."""
-
-    def __init__(self, target, prompts: list[list[int]], eos) -> None:
-        self.target, self.prompts, self.eos = target, prompts, eos
-        self.target_ms = measure_costs(target).target_ms
-        self._draft_ms: dict[int, dict[int, float]] = {}
-        self._continuations: dict[float, list[list[int]]] = {}
-
-    def cost_for(self, draft) -> CostModel:
-        """Target and `draft` forward times on this device (the draft's measured once)."""
-        if id(draft) not in self._draft_ms:
-            self._draft_ms[id(draft)] = measure_costs(draft).target_ms
-        return CostModel(self.target_ms, self._draft_ms[id(draft)])
-
-    def costs(self, drafts: dict[str, Any]) -> dict[str, CostModel]:
-        return {label: self.cost_for(d) for label, d in drafts.items()}
-
-    def _sequences(self, temperature: float, sampling: dict) -> list[list[int]]:
-        if temperature not in self._continuations:
-            dec = SpeculativeDecoder(self.target, self.target, rule="chain", tree=[1])
-            device = next(self.target.parameters()).device
-            seqs = []
-            for i, p in enumerate(self.prompts):
-                ids = torch.tensor([p], device=device)
-                gen = _seeded(10_000 + i, device)
-                out = dec.generate_autoregressive(ids, generator=gen, **{**sampling, "max_new_tokens": 32})
-                seqs.append(out.sequences[0].tolist())
-            self._continuations[temperature] = seqs
-        return self._continuations[temperature]
-
-    def choose(self, label: str, draft, rule: str, temperature: float, sampling: dict) -> Plan:
-        cost = self.cost_for(draft)
-        settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p")}
-        alphas = []
-        for seq, p in zip(self._sequences(temperature, sampling), self.prompts, strict=True):
-            alphas.append(calibrate_alpha(self.target, draft, [seq], rule, settings, start=len(p)))
-        alpha = {n: sum(a[n] for a in alphas) / len(alphas) for n in alphas[0]}
-        cost.overhead_ms = measure_overhead(self.target, draft, rule, self.prompts[0], sampling, cost)
-        chosen = plan_tree(cost, alpha)
-        log.info("T=%g %s %s: %s (alpha %s)", temperature, label, rule, chosen.describe(), alpha)
-        print(f"planner T={temperature:g} {label} {rule}: {chosen.describe()}")
-        return chosen
 
 
 def step_breakdown(stats: DecodeStats, cost: CostModel, tree: str) -> dict[str, float]:

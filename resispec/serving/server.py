@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 
+from resispec.data.config import DataConfig
 from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.config import DecodeConfig
+from resispec.errors import UserError
 from resispec.models import load_pair
 from resispec.models.config import ModelConfig, WorldConfig
 from resispec.serving.app import create_app
@@ -28,18 +30,49 @@ def context_length(target, draft, server: ServerConfig) -> int:
     return min(lengths) if lengths else 2048
 
 
-def build_engine(target, draft, tokenizer, decode: DecodeConfig, server: ServerConfig | None = None):
+def planned_tree(target, draft, decode: DecodeConfig, prompts: list[list[int]]) -> list[int]:
+    """decode.tree=auto: the planner's tree for decode.rule at decode's sampling settings, on this device and pair,
+    calibrated on `prompts` (held-out prompt ids). Logs the choice with its predicted tau and speedup."""
+    from resispec.decoding.planner import Planner
+
+    if not prompts:
+        raise UserError(
+            "decode.tree=auto needs calibration prompts (decode.plan_prompts > 0 and a data source)"
+        )
+    sampling = {"temperature": decode.temperature, "top_k": decode.top_k, "top_p": decode.top_p}
+    plan = Planner(target, prompts).choose(draft, decode.rule, sampling, decode.auto_policy)
+    msg = f"tree=auto ({decode.rule}, T={decode.temperature:g}): {plan.describe()}"
+    log.info(msg)
+    print(msg, flush=True)
+    return plan.tree
+
+
+def build_engine(
+    target,
+    draft,
+    tokenizer,
+    decode: DecodeConfig,
+    server: ServerConfig | None = None,
+    plan_prompts: list[list[int]] | None = None,
+):
     """A DecoderEngine for the loaded pair under the `decode` settings (rule `ar` serves the target alone);
-    `server` sets continuous batching (max_batch_size, kv_budget_tokens, speculation)."""
+    `server` sets continuous batching (max_batch_size, kv_budget_tokens, speculation). decode.tree=auto plans the
+    tree first, calibrated on `plan_prompts`."""
 
     speculative = decode.rule not in AR_RULES
+    if not speculative:
+        tree = [1]
+    elif decode.planned:
+        tree = planned_tree(target, draft, decode, plan_prompts or [])
+    else:
+        tree = decode.tree
     decoder = SpeculativeDecoder(
         target,
         draft,
         rule=build_rule(decode.rule, decode.auto_policy)
         if speculative
         else "chain",  # AR never calls the rule
-        tree=decode.tree,
+        tree=tree,
         tokenizer=tokenizer,
         compile=decode.compile,
     )
@@ -60,11 +93,22 @@ def build_app(
     target_cfg: ModelConfig,
     draft_cfg: ModelConfig,
     world: WorldConfig | None = None,
+    data: DataConfig | None = None,
 ):
-    """Load the pair named by the configs and return the FastAPI app serving it."""
+    """Load the pair named by the configs and return the FastAPI app serving it. `data`: where decode.tree=auto
+    takes its calibration prompts (the eval split)."""
 
     target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
-    engine = build_engine(target, draft, tokenizer, decode, server)
+    prompts = None
+    if decode.planned and decode.rule not in AR_RULES and data is not None and decode.plan_prompts > 0:
+        from dataclasses import replace
+
+        from resispec.data.prompts import load_prompts
+
+        data = replace(data, num_eval_prompts=max(data.num_eval_prompts, decode.plan_prompts))
+        ds = load_prompts(data, tokenizer, split="eval", world=world)
+        prompts = [list(p) for p in ds["prompt_ids"][: decode.plan_prompts]]
+    engine = build_engine(target, draft, tokenizer, decode, server, plan_prompts=prompts)
     max_len = context_length(target, draft, server)
     log.info(
         "serving %s (target %s, draft %s) rule=%s tree=%s, context %d, max batch %d",
@@ -72,7 +116,7 @@ def build_app(
         target_cfg.path,
         draft_cfg.path,
         decode.rule,
-        decode.tree,
+        engine.decoder.shape,
         max_len,
         server.max_batch_size,
     )
@@ -85,10 +129,11 @@ def serve(
     target_cfg: ModelConfig,
     draft_cfg: ModelConfig,
     world: WorldConfig | None = None,
+    data: DataConfig | None = None,
 ) -> None:
     """Build the app and serve it until interrupted."""
     import uvicorn
 
-    app = build_app(server, decode, target_cfg, draft_cfg, world)
+    app = build_app(server, decode, target_cfg, draft_cfg, world, data)
     # one worker process: the decoding worker thread owns the models
     uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, workers=1)

@@ -116,11 +116,11 @@ def evaluate(
 ) -> dict:
     """Held-out alpha per rule and n, per-depth acceptance, simulated tau per rule, and mean fkl.
     Returns {"num_positions", "fkl", "alpha": {rule: {n: a}}, "per_depth": {rule: [a_d]}, "tau": {rule: t}}."""
-    rules = closed_form_rules(sorted(set(int(n) for n in decode.tree))) if rules is None else rules
+    rules = closed_form_rules(sorted(set(int(n) for n in decode.fixed_tree))) if rules is None else rules
     was_training = draft.training
     draft.eval()
     device = next(draft.parameters()).device
-    tree = [int(n) for n in decode.tree]
+    tree = [int(n) for n in decode.fixed_tree]
     ns = sorted(set(tree))
     alphas: dict[str, dict[int, list[Tensor]]] = {r: {n: [] for n in ns} for r in rules}
     rule_objs = {r: build_rule(r, decode.auto_policy) for r in rules}

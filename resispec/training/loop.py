@@ -218,7 +218,7 @@ def _setup(job: DistillJob) -> _Run:
         accelerator, job.world, job.target, job.draft, job.data, job.rows
     )
     packed, eval_seqs = _pack(job, train_ds, eval_ds, _pad_id(tok))
-    rules = closed_form_rules(sorted({int(n) for n in job.decode.tree}))
+    rules = closed_form_rules(sorted({int(n) for n in job.decode.fixed_tree}))
     pick_rule = eval_rule(job.decode.rule)
     if pick_rule not in rules:
         raise DistillConfigError(

@@ -59,3 +59,11 @@ def test_misspelled_key_fails_at_compose(override):
 def test_wrong_type_fails():
     with pytest.raises(Exception, match="max_steps"):
         to_typed(_compose("distill", ["train.max_steps=lots"]))
+
+
+def test_decode_tree_auto_composes_and_a_bad_tree_is_refused():
+    cfg = to_typed(_compose("serve", ["decode.tree=auto"]))
+    assert cfg.decode.planned and cfg.decode.fixed_tree == [4, 2, 1, 1]
+    assert to_typed(_compose("serve", ["decode.tree=[3,1]"])).decode.tree == [3, 1]
+    with pytest.raises(Exception, match="decode.tree"):
+        to_typed(_compose("serve", ["decode.tree=wide"]))

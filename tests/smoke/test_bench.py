@@ -46,7 +46,9 @@ def test_bench_script_writes_report(micro_world, tmp_path):
         for r in at:
             assert r["num_tokens"] > 0 and r["tokens_per_second"] > 0
             assert abs(r["speedup"] - r["tokens_per_second"] / ar_tps) < 1e-9
-            if r["method"] == "spec" and r["tree"].startswith("auto"):  # the planner's tree, with its prediction
+            if r["method"] == "spec" and r["tree"].startswith(
+                "auto"
+            ):  # the planner's tree, with its prediction
                 plan = r["stats"]["plan"]
                 assert r["tree"] == "auto[" + ",".join(map(str, plan["tree"])) + "]" and plan["tau"] >= 1.0
             elif r["method"] == "spec":

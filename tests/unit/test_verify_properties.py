@@ -165,6 +165,29 @@ def test_n1_reduces_to_chain():
     assert abs((slot >= 0).double().mean().item() - alpha) <= 4 * math.sqrt(alpha * (1 - alpha) / num)
 
 
+@pytest.mark.parametrize("name", ["rrs", "kseq", "resispec"])
+def test_one_draw_verifies_exactly_as_chain(name):
+    """At n = 1 these rules take the chain plan without solving T* / rho* (the decoder's single-draft depths):
+    same proposal, same generator state -> the same tokens and slots as chain, draw for draw."""
+    p, q = random_pairs(256, 40, seed=12)
+    prop = VERIFIERS["chain"].propose(q, 1, torch.Generator().manual_seed(5))
+    want = VERIFIERS["chain"].verify(p, prop, torch.Generator().manual_seed(6))
+    got = VERIFIERS[name].verify(p, prop, torch.Generator().manual_seed(6))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_resispec_verify_solve_precision():
+    """verify() solves T* to verify_halvings (fewer than acceptance() uses): within (n - 1) 2^-h of T*."""
+    from resispec.verify.iid import ResiSpecRule
+
+    p, q = random_pairs(64, 200, seed=13)
+    for n in (2, 4):
+        exact = solve_resispec_T(p, q, n)
+        coarse = solve_resispec_T(p, q, n, steps=ResiSpecRule.verify_halvings)
+        assert ((coarse - exact) >= -1e-12).all()  # the upper end of the bracket: g(T) >= 0
+        assert ((coarse - exact) <= (n - 1) * 2.0**-ResiSpecRule.verify_halvings).all()
+
+
 def test_float32_and_float64_agree():
     p, q = random_pairs(16, 50, seed=2)
     for name in ("rrs", "kseq", "resispec", "hub", "onehot"):

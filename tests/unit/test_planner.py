@@ -1,0 +1,164 @@
+"""The tree planner (resispec/decoding/planner.py) and decode.tree=auto.
+
+The model is checked on costs and acceptances we choose, where the best tree is known by hand: a flat-cost
+device (a GPU: the target costs the same for 1 or 32 nodes) with good acceptance wants a wide tree, a device whose
+target cost grows with every node wants a chain, and an expensive multi-draw verification pushes toward a chain.
+Then the measuring parts run on micro Llamas: calibration, verification cost, and the whole Planner.choose.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resispec.decoding.config import DEFAULT_TREE, DecodeConfig
+from resispec.decoding.planner import (
+    CostModel,
+    Planner,
+    calibrate_alpha,
+    candidate_trees,
+    expected_tau,
+    measure_verify_ms,
+    plan_tree,
+)
+from resispec.decoding.tree import max_tree_nodes
+from resispec.errors import UserError
+from resispec.verify import build_rule
+from tests.unit.test_decoding_helpers import micro_llama, noisy_copy, single_thread
+
+NODES = (1, 2, 4, 8, 16, 32)
+
+
+def _costs(target_per_node: float, draft_ms: float = 0.5, verify_ms: dict | None = None) -> CostModel:
+    """Target: 10 ms + target_per_node ms per extra token; the draft flat."""
+    return CostModel(
+        target_ms={n: 10.0 + target_per_node * (n - 1) for n in NODES},
+        draft_ms={n: draft_ms for n in NODES},
+        verify_ms=verify_ms or {},
+    )
+
+
+# an acceptance profile where more draws clearly help (the shape ResiSpec has on the tiny world at T = 1)
+ALPHA = {1: 0.6, 2: 0.75, 3: 0.82, 4: 0.86}
+
+
+def test_expected_tau_by_hand():
+    assert expected_tau([1, 1], {1: 0.5}) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tau([2, 1], {1: 0.5, 2: 0.8}) == pytest.approx(1 + 0.8 + 0.8 * 0.5)
+
+
+def test_candidates_are_non_increasing_bounded_and_include_chains():
+    cands = candidate_trees(max_nodes=32, max_depth=6, max_branch=4)
+    assert all(max_tree_nodes(t) <= 32 for t in cands)
+    assert all(a >= b for t in cands for a, b in zip(t, t[1:], strict=False))
+    for depth in range(1, 7):
+        assert [1] * depth in cands
+    assert [4, 2, 1, 1] in cands
+    assert len({tuple(t) for t in cands}) == len(cands)
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = CostModel(target_ms={1: 10.0, 4: 16.0}, draft_ms={1: 1.0})
+    assert cost.target(1) == 10.0
+    assert cost.target(2) == pytest.approx(12.0)
+    assert cost.target(8) == pytest.approx(32.0)  # beyond the grid: linear in tokens
+    # [2, 1]: the draft feeds 1 token, then the 2 nodes of depth 1 (linear beyond its grid: 2 ms); the target
+    # sees the root + 2 + 2 nodes (5 tokens: 16 * 5 / 4 ms)
+    assert cost.step_ms([2, 1]) == pytest.approx(1.0 + 2.0 + 20.0)
+
+
+def test_flat_cost_device_gets_a_wide_tree():
+    plan = plan_tree(_costs(target_per_node=0.0), ALPHA)
+    assert max(plan.tree) > 1 and max_tree_nodes(plan.tree) > len(plan.tree)
+    assert plan.tau == pytest.approx(expected_tau(plan.tree, ALPHA))
+    assert plan.speedup == pytest.approx(plan.tokens_per_s / (1e3 / 10.0))
+    assert plan.alpha == ALPHA
+
+
+def test_node_cost_device_gets_a_chain():
+    """Every extra node costs as much as a whole AR step: only a chain can pay, and the planner must find it."""
+    plan = plan_tree(_costs(target_per_node=3.0), ALPHA)
+    assert plan.tree == [1] * len(plan.tree)
+
+
+def test_expensive_multi_draw_verification_pushes_to_a_chain():
+    cheap = plan_tree(_costs(0.2), ALPHA)
+    assert max(cheap.tree) > 1
+    costly = plan_tree(_costs(0.2, verify_ms={1: 0.1, 2: 30.0, 3: 30.0, 4: 30.0}), ALPHA)
+    assert costly.tree == [1] * len(costly.tree)
+
+
+def test_verify_cost_weights_each_depth_by_its_reach():
+    cost = _costs(0.0, verify_ms={1: 1.0, 2: 2.0})
+    assert cost.verify_cost([2, 1, 1], {1: 0.5, 2: 0.8}) == pytest.approx(2.0 + 0.8 * 1.0 + 0.8 * 0.5 * 1.0)
+    assert _costs(0.0).verify_cost([2, 1], {1: 0.5, 2: 0.8}) == 0.0
+
+
+def test_plan_never_beats_the_best_candidate_by_enumeration():
+    cost = _costs(0.4, verify_ms={1: 0.3, 2: 0.9, 3: 1.2, 4: 1.6})
+    plan = plan_tree(cost, ALPHA)
+    best = max(
+        1e3 * expected_tau(t, ALPHA) / (cost.step_ms(t) + cost.verify_cost(t, ALPHA))
+        for t in candidate_trees(max_branch=4)
+    )
+    assert plan.tokens_per_s == pytest.approx(best)
+
+
+# ------------------------------------------------------------------------------------------ measured on micro models
+
+
+@pytest.fixture(scope="module")
+def micro_pair():
+    with single_thread():
+        target = micro_llama(64, 2, 64, seed=0)
+        yield target, noisy_copy(target, 0.5, seed=1)
+
+
+def test_calibration_greedy_and_sampled(micro_pair):
+    target, draft = micro_pair
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 64, (24,), generator=gen).tolist() for _ in range(2)]
+    greedy = calibrate_alpha(target, draft, seqs, "resispec", {"temperature": 0.0}, start=8)
+    assert all(0.0 <= greedy[n] <= 1.0 for n in greedy)
+    assert all(greedy[n] <= greedy[n + 1] for n in range(1, 4))  # top-n of q can only cover more
+    same = calibrate_alpha(target, target, seqs, "resispec", {"temperature": 0.0}, start=8)
+    assert same[1] == 1.0  # the draft IS the target: its argmax is always the target's
+    sampled = calibrate_alpha(target, draft, seqs, "resispec", {"temperature": 1.0}, start=8)
+    assert all(
+        sampled[n] <= sampled[n + 1] + 1e-9 for n in range(1, 4)
+    )  # more i.i.d. draws never hurt resispec
+    same_s = calibrate_alpha(target, target, seqs, "resispec", {"temperature": 1.0}, start=8)
+    assert same_s[1] == pytest.approx(1.0)
+
+
+def test_verify_cost_is_measured_per_draw_count():
+    ms = measure_verify_ms(build_rule("resispec"), vocab=512, max_draws=3, reps=3)
+    assert sorted(ms) == [1, 2, 3] and all(v > 0 for v in ms.values())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_planner_choose_on_micro_models(micro_pair, temperature):
+    target, draft = micro_pair
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 64, (6,), generator=gen).tolist() for _ in range(2)]
+    with single_thread():
+        planner = Planner(target, prompts, continuation_tokens=12)
+        plan = planner.choose(draft, "resispec", {"temperature": temperature, "top_k": 0, "top_p": 1.0})
+    assert plan.tree in candidate_trees(max_branch=max(plan.alpha))
+    assert 1.0 <= plan.tau <= 1 + len(plan.tree)
+    assert plan.step_ms > 0 and plan.speedup > 0
+    cost = planner.cost_for(draft)
+    assert set(cost.target_ms) == set(cost.draft_ms)
+
+
+# ------------------------------------------------------------------------------------------------ decode.tree=auto
+
+
+def test_decode_config_tree_auto_and_validation():
+    auto = DecodeConfig(tree="auto")
+    assert auto.planned and auto.fixed_tree == list(DEFAULT_TREE)
+    fixed = DecodeConfig(tree=[3, 1])
+    assert not fixed.planned and fixed.fixed_tree == [3, 1]
+    for bad in ("wide", [], [2, 0], [1.5], [True]):
+        with pytest.raises(UserError, match="decode.tree"):
+            DecodeConfig(tree=bad)
