@@ -211,6 +211,14 @@ class SpeculativeDecoder:
             steps.close()
             stats.total_seconds = time.perf_counter() - start
 
+    def _draft_forward(self, stats: DecodeStats, ids, cache, pos, mask=None, logits_to_keep: int = 0):
+        """One cached draft forward, its wall time added to stats.draft_forward_seconds (not synchronised: on
+        CUDA that is launch time; the draft phase as a whole is synchronised)."""
+        t0 = time.perf_counter()
+        logits = forward_logits(self._draft_fwd, ids, cache, pos, mask, logits_to_keep=logits_to_keep)
+        stats.draft_forward_seconds += time.perf_counter() - t0
+        return logits
+
     def _sync(self) -> None:
         if self.timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -287,7 +295,7 @@ class SpeculativeDecoder:
                 start = cache_length(dcache)
                 pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
                 ids = torch.tensor([pending], device=dev)
-                logits = forward_logits(self._draft_fwd, ids, dcache, pos, logits_to_keep=1)  # [1, 1, V]
+                logits = self._draft_forward(stats, ids, dcache, pos, logits_to_keep=1)  # [1, 1, V]
                 q = self._probs(logits[0], q_settings)  # [1, V]
                 for depth in range(1, depth_lim + 1):
                     proposal = rule.propose(q, shape[depth - 1], generator)
@@ -301,7 +309,7 @@ class SpeculativeDecoder:
                     mask = tree_attention_mask(num_committed, block, draft_mask_dtype)
                     ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
                     pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
-                    logits = forward_logits(self._draft_fwd, ids, dcache, pos, mask)  # [1, n_d, V]
+                    logits = self._draft_forward(stats, ids, dcache, pos, mask)  # [1, n_d, V]
                     q = self._probs(logits[0], q_settings)  # [n_d, V]
                     fed_depth = depth
             self._sync()

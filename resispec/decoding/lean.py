@@ -60,9 +60,7 @@ def lean_spec_steps(
             start = cache_length(dcache)
             pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
             ids = torch.tensor([pending], device=dev)
-            logits = forward_logits(dec._draft_fwd, ids, dcache, pos, logits_to_keep=1)[
-                0, :, :vocab
-            ]  # [1, V]
+            logits = dec._draft_forward(stats, ids, dcache, pos, logits_to_keep=1)[0, :, :vocab]  # [1, V]
             for depth in range(1, depth_lim + 1):
                 width = shape[depth - 1]
                 if greedy:  # top-b of the draft's logits = top-b of its softmax
@@ -82,7 +80,7 @@ def lean_spec_steps(
                 mask = tree_attention_mask(num_committed, block.to(dev), d_dtype)
                 ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
                 pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
-                logits = forward_logits(dec._draft_fwd, ids, dcache, pos, mask)[0, :, :vocab]  # [n_d, V]
+                logits = dec._draft_forward(stats, ids, dcache, pos, mask)[0, :, :vocab]  # [n_d, V]
                 fed_depth = depth
         dec._sync()
         t1 = time.perf_counter()

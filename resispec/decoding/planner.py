@@ -103,28 +103,53 @@ class Plan:
 
 
 @torch.inference_mode()
+def forward_table(
+    model: torch.nn.Module,
+    nodes: Sequence[int] = NODE_GRID,
+    prefix_len: int = 64,
+    reps: int = 7,
+    vocab: int | None = None,
+) -> dict[int, float]:
+    """Median ms of one cached forward over n new tokens under a tree-style 4D mask, for every n of `nodes`.
+    The counts are timed round-robin (one forward of each count per round, after a warm-up round), so a shared
+    machine's speed drift hits every count alike and the RATIOS between counts, which decide the tree, hold."""
+    dev = next(model.parameters()).device
+    vocab = vocab or model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    longest = max(nodes)
+    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(dev)
+    ids = torch.randint(0, vocab, (1, longest), generator=gen).to(dev)
+    pos = torch.arange(prefix_len, prefix_len + longest, device=dev)[None]
+    masks = {
+        n: tree_attention_mask(
+            prefix_len, torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)), model.dtype
+        )
+        if n > 1
+        else None
+        for n in nodes
+    }
+    cache = new_cache(model)
+    forward_logits(model, prefix, cache, logits_to_keep=1)
+    times: dict[int, list[float]] = {n: [] for n in nodes}
+    for rnd in range(reps + 1):  # round 0 is a warm-up
+        for n in nodes:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            forward_logits(model, ids[:, :n], cache, pos[:, :n], masks[n])
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if rnd:
+                times[n].append(time.perf_counter() - t0)
+            crop_cache(cache, prefix_len)  # back to the prefix: every forward extends the same cached prefix
+    return {n: 1e3 * statistics.median(times[n]) for n in nodes}
+
+
 def forward_ms(
     model: torch.nn.Module, num_tokens: int, prefix_len: int = 64, reps: int = 7, vocab: int | None = None
 ) -> float:
     """Median ms of one cached forward over `num_tokens` new tokens under a tree-style 4D mask."""
-    dev = next(model.parameters()).device
-    vocab = vocab or model.config.vocab_size
-    gen = torch.Generator().manual_seed(num_tokens)
-    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(dev)
-    ids = torch.randint(0, vocab, (1, num_tokens), generator=gen).to(dev)
-    pos = torch.arange(prefix_len, prefix_len + num_tokens, device=dev)[None]
-    block = torch.tril(torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=dev))
-    mask = tree_attention_mask(prefix_len, block, model.dtype) if num_tokens > 1 else None
-
-    cache = new_cache(model)
-    forward_logits(model, prefix, cache, logits_to_keep=1)
-    times = []
-    for _ in range(reps + 1):  # the first is a warm-up
-        t0 = time.perf_counter()
-        forward_logits(model, ids, cache, pos, mask)
-        times.append(time.perf_counter() - t0)
-        crop_cache(cache, prefix_len)  # back to the prefix: every rep extends the same cached prefix
-    return 1e3 * statistics.median(times[1:])
+    return forward_table(model, [num_tokens], prefix_len, reps, vocab)[num_tokens]
 
 
 def measure_costs(
@@ -133,11 +158,22 @@ def measure_costs(
     nodes: Sequence[int] = NODE_GRID,
     reps: int = 7,
 ) -> CostModel:
-    """Target (and draft) forward time against tokens fed, on this device (the planner's cost model)."""
+    """Target (and draft) forward time against tokens fed, on this device (the planner's cost model). Each table
+    is made non-decreasing in tokens (a suffix minimum): feeding more tokens never costs less, so a slow outlier
+    at a small count (a noisy shared machine) does not make AR look slower than a tree step."""
     return CostModel(
-        target_ms={n: forward_ms(target, n, reps=reps) for n in nodes},
-        draft_ms={} if draft is None else {n: forward_ms(draft, n, reps=reps) for n in nodes},
+        target_ms=monotone(forward_table(target, nodes, reps=reps)),
+        draft_ms={} if draft is None else monotone(forward_table(draft, nodes, reps=reps)),
     )
+
+
+def monotone(table: dict[int, float]) -> dict[int, float]:
+    """{n: min over m >= n of table[m]}: the largest non-decreasing table below the measured one."""
+    out, low = {}, math.inf
+    for n in sorted(table, reverse=True):
+        low = min(low, table[n])
+        out[n] = low
+    return dict(sorted(out.items()))
 
 
 def measure_overhead(

@@ -19,6 +19,9 @@ class DecodeStats:
     reached_per_position: list[int] = field(default_factory=list)  # [D] steps whose walk reached depth d+1
     num_new_tokens: int = 0  # tokens emitted (after stop truncation)
     draft_seconds: float = 0.0
+    draft_forward_seconds: float = (
+        0.0  # of draft_seconds: the draft model's forwards alone (CPU; launch time on CUDA)
+    )
     target_seconds: float = 0.0
     accept_seconds: float = 0.0  # the rule's verification walk (host side), apart from the forwards
     total_seconds: float = 0.0

@@ -188,6 +188,12 @@ def _methods(
                 )
                 row = BenchRow("spec", temperature, draft=label, rule=rule, tree=_tree_str(tree))
                 out.append(_decoder_method(row, dec.generate, device, sampling))
+                if bench.reference_step:
+                    ref = SpeculativeDecoder(
+                        target, draft, rule=dec.rule, tree=tree, tokenizer=tokenizer, lean=False
+                    )
+                    row = BenchRow("spec", temperature, draft=label, rule=rule, tree="ref" + _tree_str(tree))
+                    out.append(_decoder_method(row, ref.generate, device, sampling))
         for rule in bench.plan_rules if plan is not None else ():
             chosen = plan.choose(draft, rule, sampling, decode.auto_policy)
             log.info("T=%g %s %s: %s (alpha %s)", temperature, label, rule, chosen.describe(), chosen.alpha)
@@ -282,9 +288,8 @@ def bench_pair(
                 if r.method == "spec":
                     r.per_depth_acceptance = total_stats.per_depth_acceptance
                     r.c = total_stats.c
-                    if plan is not None:
-                        cost = plan.cost_for(drafts[r.draft])
-                        r.stats["breakdown"] = step_breakdown(total_stats, cost, r.tree)
+                    cost = plan.cost_for(drafts[r.draft]) if plan is not None else None
+                    r.stats["breakdown"] = step_breakdown(total_stats, 1e3 / ar_tps, cost, r.tree)
             rows.append(r)
         if bench.vllm:
             from resispec.serving import vllm_peer
@@ -300,29 +305,45 @@ def bench_pair(
     return rows
 
 
-def step_breakdown(stats: DecodeStats, cost: CostModel, tree: str) -> dict[str, float]:
-    """Per-step milliseconds of a speculative row: draft phase (forwards + drafting), target forward, accept walk,
-    the rest (cache compaction, stats), and the host overhead = step time minus the two models' forward time as
-    the cost model predicts it for that tree, also as a fraction of one target forward (one token)."""
+def step_breakdown(
+    stats: DecodeStats, ar_token_ms: float, cost: CostModel | None = None, tree: str = ""
+) -> dict:
+    """Per-step milliseconds of a speculative row, all measured inside the steps of this run: the draft forwards,
+    the rest of the draft phase (drafting: sampling the candidates, tree masks), the target forward (the verify
+    phase), the accept walk, and the rest (cache compaction, bookkeeping). Host overhead = everything that is not
+    a model forward, also as a fraction of one AR token's time measured in the same run (the issue's yardstick:
+    a shared machine's speed drifts by tens of percent within minutes, so the yardstick is measured alongside).
+    With `cost`, also the cost model's prediction of the two models' forward time for `tree`."""
     steps = max(stats.num_drafts, 1)
-    step = 1e3 * stats.total_seconds / steps
-    draft, target, accept = (
-        1e3 * x / steps for x in (stats.draft_seconds, stats.target_seconds, stats.accept_seconds)
+    step, draft, draft_fwd, target, accept = (
+        1e3 * x / steps
+        for x in (
+            stats.total_seconds,
+            stats.draft_seconds,
+            stats.draft_forward_seconds,
+            stats.target_seconds,
+            stats.accept_seconds,
+        )
     )
-    shape = [int(b) for b in tree.removeprefix("auto").strip("[]").split(",")]
-    forwards = CostModel(cost.target_ms, cost.draft_ms).step_ms(shape)  # no overhead term: forwards only
-    nodes = 1 + stats.num_draft_tokens / steps
-    return {
+    overhead = step - draft_fwd - target
+    out = {
         "step_ms": step,
-        "draft_ms": draft,
+        "draft_forward_ms": draft_fwd,
+        "drafting_ms": draft - draft_fwd,
         "target_ms": target,
         "accept_ms": accept,
         "other_ms": step - draft - target - accept,
-        "mean_nodes": nodes,
-        "model_forward_ms": forwards,
-        "overhead_ms": step - forwards,
-        "overhead_frac_of_target_forward": (step - forwards) / cost.target(1),
+        "mean_nodes": 1 + stats.num_draft_tokens / steps,
+        "overhead_ms": overhead,
+        "ar_token_ms": ar_token_ms,
+        "overhead_frac_of_ar_token": overhead / ar_token_ms,
     }
+    if cost is not None and "[" in tree:
+        shape = [
+            int(b) for b in tree[tree.index("[") :].strip("[]").split(",")
+        ]  # "[..]", "auto[..]", "ref[..]"
+        out["predicted_forward_ms"] = CostModel(cost.target_ms, cost.draft_ms).step_ms(shape)
+    return out
 
 
 # ---------------------------------------------------------------- reporting
@@ -469,19 +490,24 @@ def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
     spec = [r for r in rows if r.stats.get("breakdown")]
     if spec:
         lines += [
-            "Per-step breakdown (ms per speculative step): draft phase (forwards + drafting), target forward, accept "
-            "walk, other (cache compaction, bookkeeping); overhead = step minus the two models' forward time "
-            "predicted by the cost model for that tree, and as a fraction of one target forward (1 token).",
+            "Per-step breakdown (ms per speculative step, measured inside the steps of this run): draft forwards, "
+            "drafting (candidate sampling, tree masks), target forward, accept walk, other (cache compaction, "
+            "bookkeeping); host overhead = step minus the two models' forwards, and as a fraction of one AR token's "
+            "time in the same run. predicted fwd: the cost model's forward time for that tree (measured at start-up, "
+            "so on a drifting shared machine it can be off by tens of percent).",
             "",
-            "| T | row | nodes | step | draft | target | accept | other | overhead | overhead / target fwd |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| T | row | nodes | step | draft fwd | drafting | target fwd | accept | other | host overhead "
+            "| overhead / AR token | predicted fwd |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in spec:
             b = r.stats["breakdown"]
+            pred = b.get("predicted_forward_ms")
             lines.append(
-                f"| {r.temperature:g} | {r.label} | {b['mean_nodes']:.1f} | {b['step_ms']:.2f} | {b['draft_ms']:.2f} "
-                f"| {b['target_ms']:.2f} | {b['accept_ms']:.2f} | {b['other_ms']:.2f} | {b['overhead_ms']:.2f} "
-                f"| {b['overhead_frac_of_target_forward']:.0%} |"
+                f"| {r.temperature:g} | {r.label} | {b['mean_nodes']:.1f} | {b['step_ms']:.2f} "
+                f"| {b['draft_forward_ms']:.2f} | {b['drafting_ms']:.2f} | {b['target_ms']:.2f} "
+                f"| {b['accept_ms']:.2f} | {b['other_ms']:.2f} | {b['overhead_ms']:.2f} "
+                f"| {b['overhead_frac_of_ar_token']:.0%} | {_fmt(pred)} |"
             )
         lines.append("")
     planned = [r for r in rows if r.stats.get("plan")]
@@ -539,13 +565,14 @@ def log_wandb(rows: list[BenchRow], logger, output_dir: Path, run_name: str, met
 # ---------------------------------------------------------------- entry
 
 
-def load_bench_prompts(data, tokenizer, world, num_prompts: int) -> list[list[int]]:
-    """Held-out prompts: the `test` split of the data source (never seen in distillation)."""
+def load_bench_prompts(data, tokenizer, world, num_prompts: int, split: str = "test") -> list[list[int]]:
+    """Held-out prompts: the `test` split of the data source (never seen in distillation); the planner's
+    calibration takes `eval` (validation) prompts."""
     from dataclasses import replace
 
     # non-train splits use this count
     data = replace(data, num_eval_prompts=max(data.num_eval_prompts, num_prompts))
-    ds = load_prompts(data, tokenizer, split="test", world=world)
+    ds = load_prompts(data, tokenizer, split=split, world=world)
     return [list(p) for p in ds["prompt_ids"][:num_prompts]]
 
 
@@ -629,7 +656,12 @@ def run_bench(
             raise ValueError("run_bench needs prompts or a data config")
         prompts = load_bench_prompts(data, tokenizer, world, bench.num_prompts)
     prompts = prompts[: bench.num_prompts]
-    rows = bench_pair(target, drafts, tokenizer, prompts, bench, decode, progress=progress)
+    calibration = None  # the planner calibrates on validation prompts, never on the prompts it is measured on
+    if bench.plan_rules and not bench.random_pair and data is not None and bench.plan_calibration_prompts > 0:
+        calibration = load_bench_prompts(data, tokenizer, world, bench.plan_calibration_prompts, split="eval")
+    rows = bench_pair(
+        target, drafts, tokenizer, prompts, bench, decode, progress=progress, calibration=calibration
+    )
     device = next(target.parameters()).device
     meta = {
         "run": run_name,

@@ -26,6 +26,7 @@ def test_bench_script_writes_report(micro_world, tmp_path):
         "bench.trees=[[2,1]]",
         "bench.temperatures=[0.0,1.0]",
         "bench.plan_rules=[resispec]",
+        "bench.reference_step=true",
         "logger.wandb.mode=offline",
         f"logger.wandb.dir={tmp_path}",
         f"hydra.run.dir={tmp_path / 'hydra'}",
@@ -36,8 +37,10 @@ def test_bench_script_writes_report(micro_world, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert {"report.md", "report.json", "speedup.png"} <= {p.name for p in out.iterdir()}
     rows = json.loads((out / "report.json").read_text())["rows"]
-    # per temperature: AR + per draft (2 rules x 1 tree + the planned tree of 1 rule + HF assisted chain 2)
-    assert len(rows) == 2 * (1 + 2 * (2 + 1 + 1))
+    # per temperature: AR + per draft (2 rules x 1 tree, lean and reference step, + the planned tree of 1 rule +
+    # HF assisted chain 2)
+    assert len(rows) == 2 * (1 + 2 * (2 * 2 + 1 + 1))
+    assert sum(r["tree"] == "ref[2,1]" for r in rows) == 2 * 2 * 2
     assert {r["draft"] for r in rows} == {"-", "draft", "second"}
     for t in (0.0, 1.0):
         at = [r for r in rows if r["temperature"] == t]

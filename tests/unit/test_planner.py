@@ -19,6 +19,7 @@ from resispec.decoding.planner import (
     candidate_trees,
     expected_tau,
     measure_verify_ms,
+    monotone,
     plan_tree,
 )
 from resispec.decoding.tree import max_tree_nodes
@@ -65,6 +66,17 @@ def test_cost_model_interpolates_and_extrapolates():
     # [2, 1]: the draft feeds 1 token, then the 2 nodes of depth 1 (linear beyond its grid: 2 ms); the target
     # sees the root + 2 + 2 nodes (5 tokens: 16 * 5 / 4 ms)
     assert cost.step_ms([2, 1]) == pytest.approx(1.0 + 2.0 + 20.0)
+
+
+def test_cost_tables_are_made_monotone():
+    """A noisy slow single-token measurement must not make AR look slower than a 5-token step."""
+    assert monotone({1: 14.0, 2: 11.0, 4: 12.0, 8: 11.5, 16: 15.0}) == {
+        1: 11.0,
+        2: 11.0,
+        4: 11.5,
+        8: 11.5,
+        16: 15.0,
+    }
 
 
 def test_flat_cost_device_gets_a_wide_tree():
