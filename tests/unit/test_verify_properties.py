@@ -188,6 +188,28 @@ def test_resispec_verify_solve_precision():
         assert ((coarse - exact) <= (n - 1) * 2.0**-ResiSpecRule.verify_halvings).all()
 
 
+def test_histogram_profile_is_exact_at_bin_edges_and_locates_T():
+    """HistogramProfile: F exact at bin edges (and within width x bin mass between them); the T* it locates is
+    within a few bin widths of the sorted profile's; DirectMass is F itself."""
+    from resispec.verify.ratio import DirectMass, HistogramProfile
+
+    p, q = random_pairs(8, 300, seed=14)
+    p[:, :5], q[:, 5:8] = 0.0, 0.0  # q = 0 and p = 0 entries
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+    n, bins = 4, 64
+    hist = HistogramProfile.build(p, q, float(n), bins)
+    edges = torch.arange(0, bins + 1, dtype=torch.float64)[None].expand(8, -1) * (n / bins)
+    want = torch.stack([torch.minimum(p, e * q).sum(-1) for e in edges[0]], -1)
+    torch.testing.assert_close(hist.capped_mass(edges), want, rtol=0, atol=1e-12)
+    t = torch.rand(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * n
+    mid = torch.stack([torch.minimum(p, t[:, k : k + 1] * q).sum(-1) for k in range(5)], -1)
+    assert ((hist.capped_mass(t) - mid).abs() <= n / bins + 1e-12).all()
+    torch.testing.assert_close(DirectMass.build(p, q).capped_mass(t[:, 0]), mid[:, 0], rtol=0, atol=1e-12)
+    fine = HistogramProfile.build(p, q, float(n))  # the default bins
+    t_hist = solve_resispec_T(p, q, n, fine, steps=20)
+    assert ((t_hist - solve_resispec_T(p, q, n)).abs() <= 4 * n / fine.bins).all()
+
+
 def test_float32_and_float64_agree():
     p, q = random_pairs(16, 50, seed=2)
     for name in ("rrs", "kseq", "resispec", "hub", "onehot"):
