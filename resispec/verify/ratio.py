@@ -125,8 +125,8 @@ class HistogramProfile:
         acc = torch.float64 if p.device.type == "cpu" or p.dtype == torch.float64 else torch.float32
         width = upper / bins
         # bin index floor(w / width), in place on one buffer: q = 0 gives inf (or nan when p = 0 too) -> overflow
-        x = (p / q).nan_to_num_(nan=float("inf")).mul_(1.0 / width).clamp_(max=float(bins))
-        idx = x.long()  # [B, V] in 0..bins (bins = overflow)
+        x = torch.div(p, q).mul_(1.0 / width)
+        idx = torch.fmin(x, torch.tensor(float(bins), dtype=x.dtype), out=x).long()  # fmin: nan -> bins too
         shape = (p.shape[0], bins + 1)
         # per-bin sums in the input dtype (they only locate T), prefix sums in the accumulator dtype
         hp = torch.zeros(shape, dtype=p.dtype, device=p.device).scatter_add_(-1, idx, p)
