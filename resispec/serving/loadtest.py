@@ -339,8 +339,15 @@ def compare_in_process(
 
     from resispec.serving.app import create_app
     from resispec.serving.config import ServerConfig
-    from resispec.serving.server import build_engine
+    from resispec.serving.server import build_engine, planned_tree
+    from resispec.serving.text import encode_text
 
+    if decode.planned and decode.rule not in (
+        "ar",
+        "none",
+    ):  # tree=auto: plan once, every mode serves that tree
+        calibration = [encode_text(tokenizer, p) for p in prompts[: max(decode.plan_prompts, 1)]]
+        decode = replace(decode, tree=planned_tree(target, draft, decode, calibration))
     results, costs = [], {}
     for label, overrides in (modes or serving_modes()).items():
         overrides = dict(overrides)
