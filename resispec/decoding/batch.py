@@ -556,12 +556,7 @@ class BatchedSpeculativeDecoder:
             else:
                 r.pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed[b]] + [run[-1]]
             if flags[b]:
-                s.num_drafts += 1
-                s.num_draft_tokens += tree.num_nodes - 1
-                s.num_accepted_tokens += len(accepted)
-                for j in range(min(len(accepted) + 1, tree.depth)):
-                    s.reached_per_position[j] += 1
-                    s.accepted_per_position[j] += int(j < len(accepted))
+                s.record_step(tree.num_nodes, len(accepted), tree.depth)
                 s.draft_forwards += 1 + fed[b]
                 s.draft_seconds += t1 - t0
             chunk = []

@@ -21,12 +21,11 @@ import torch
 
 from resispec.decoding.kv_cache import (
     cache_length,
-    compact_to_path,
     forward_logits,
     new_cache,
     tree_attention_mask,
 )
-from resispec.decoding.lean import lean_spec_steps
+from resispec.decoding.lean import advance_caches, lean_spec_steps
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
 from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
@@ -336,24 +335,13 @@ class SpeculativeDecoder:
             stats.accept_seconds += time.perf_counter() - t2
 
             num_acc = len(accepted)
-            stats.num_drafts += 1
-            stats.num_draft_tokens += num_nodes - 1
-            stats.num_accepted_tokens += num_acc
-            for j in range(min(num_acc + 1, depth_eff)):
-                stats.reached_per_position[j] += 1
-                stats.accepted_per_position[j] += int(j < num_acc)
+            stats.record_step(num_nodes, num_acc, depth_eff)
             yield run  # the consumer closes this generator at a stop, so no cache work is wasted after it
 
             # ---- compact both caches to the accepted path
-            compact_to_path(tcache, num_committed - 1, [0] + accepted)
-            if depth_lim > 0:
-                compact_to_path(
-                    dcache, num_committed, [n - 1 for n in accepted if tree.depths[n] <= fed_depth]
-                )
-                # an accepted node deeper than the draft has seen (at most the last one) is fed next step
-                pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed_depth] + [run[-1]]
-            else:  # no draft this step (only the emit budget's last token): the draft still owes `pending`
-                pending.append(run[-1])
+            pending = advance_caches(
+                tcache, dcache, num_committed, tree, accepted, fed_depth, depth_lim > 0, pending, run
+            )
             remaining -= len(run)
             num_committed += num_acc + 1
             root = run[-1]

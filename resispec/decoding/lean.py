@@ -114,27 +114,39 @@ def lean_spec_steps(
         stats.accept_seconds += time.perf_counter() - t2
 
         num_acc = len(accepted)
-        stats.num_drafts += 1
-        stats.num_draft_tokens += num_nodes - 1
-        stats.num_accepted_tokens += num_acc
-        for j in range(min(num_acc + 1, depth_eff)):
-            stats.reached_per_position[j] += 1
-            stats.accepted_per_position[j] += int(j < num_acc)
+        stats.record_step(num_nodes, num_acc, depth_eff)
         yield run
 
-        # ---- compact both caches to the accepted path
-        compact_to_path(tcache, num_committed - 1, [0] + accepted)
-        if depth_lim > 0:
-            compact_to_path(dcache, num_committed, [n - 1 for n in accepted if tree.depths[n] <= fed_depth])
-            pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed_depth] + [run[-1]]
-        else:
-            pending.append(run[-1])
+        pending = advance_caches(
+            tcache, dcache, num_committed, tree, accepted, fed_depth, depth_lim > 0, pending, run
+        )
         remaining -= len(run)
         num_committed += num_acc + 1
         root = run[-1]
         if dec.after_step is not None:
             committed.extend(run)
             dec.after_step(tcache, dcache, committed)
+
+
+def advance_caches(
+    tcache,
+    dcache,
+    num_committed: int,
+    tree: DraftTree,
+    accepted: list[int],
+    fed_depth: int,
+    drafted: bool,
+    pending: list[int],
+    run: list[int],
+) -> list[int]:
+    """After a step (both step paths): compact both caches to the accepted path; returns the tokens the draft is
+    fed first next step. `fed_depth`: the deepest tree level the draft's cache holds; `drafted`: the step drafted."""
+    compact_to_path(tcache, num_committed - 1, [0] + accepted)
+    if not drafted:  # no draft this step (only the emit budget's last token): the draft still owes `pending`
+        return pending + [run[-1]]
+    compact_to_path(dcache, num_committed, [n - 1 for n in accepted if tree.depths[n] <= fed_depth])
+    # an accepted node deeper than the draft has seen (at most the last one) is fed next step
+    return [tree.tokens[n] for n in accepted if tree.depths[n] > fed_depth] + [run[-1]]
 
 
 def walk_greedy(tree: DraftTree, best: list[int]) -> tuple[list[int], list[int]]:

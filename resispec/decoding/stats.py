@@ -26,6 +26,16 @@ class DecodeStats:
     accept_seconds: float = 0.0  # the rule's verification walk (host side), apart from the forwards
     total_seconds: float = 0.0
 
+    def record_step(self, num_nodes: int, num_accepted: int, depth: int) -> None:
+        """Count one speculative step: a tree of `num_nodes` nodes (root included) and `depth` levels whose walk
+        accepted `num_accepted` draft tokens (it reached depth d+1 for d <= num_accepted)."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_nodes - 1
+        self.num_accepted_tokens += num_accepted
+        for j in range(min(num_accepted + 1, depth)):
+            self.reached_per_position[j] += 1
+            self.accepted_per_position[j] += int(j < num_accepted)
+
     @property
     def tau(self) -> float:
         """Accepted length: tokens per verify forward, bonus/correction included (1.0 = no gain; AR = 1.0)."""
