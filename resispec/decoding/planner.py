@@ -145,13 +145,6 @@ def forward_table(
     return {n: 1e3 * statistics.median(times[n]) for n in nodes}
 
 
-def forward_ms(
-    model: torch.nn.Module, num_tokens: int, prefix_len: int = 64, reps: int = 7, vocab: int | None = None
-) -> float:
-    """Median ms of one cached forward over `num_tokens` new tokens under a tree-style 4D mask."""
-    return forward_table(model, [num_tokens], prefix_len, reps, vocab)[num_tokens]
-
-
 def measure_costs(
     target: torch.nn.Module,
     draft: torch.nn.Module | None = None,

@@ -101,13 +101,9 @@ def build_app(
     target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
     prompts = None
     if decode.planned and decode.rule not in AR_RULES and data is not None and decode.plan_prompts > 0:
-        from dataclasses import replace
+        from resispec.serving.bench import load_bench_prompts
 
-        from resispec.data.prompts import load_prompts
-
-        data = replace(data, num_eval_prompts=max(data.num_eval_prompts, decode.plan_prompts))
-        ds = load_prompts(data, tokenizer, split="eval", world=world)
-        prompts = [list(p) for p in ds["prompt_ids"][: decode.plan_prompts]]
+        prompts = load_bench_prompts(data, tokenizer, world, decode.plan_prompts, split="eval")
     engine = build_engine(target, draft, tokenizer, decode, server, plan_prompts=prompts)
     max_len = context_length(target, draft, server)
     log.info(
