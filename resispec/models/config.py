@@ -52,6 +52,9 @@ class PretrainConfig:
     lr: float = 3e-3
     warmup_steps: int = 30
     weight_decay: float = 0.1
+    # auto: bf16 autocast where the hardware multiplies bf16 natively (CUDA with bf16, CPUs with AVX512-BF16 or
+    # AMX, measured 1.9x the float32 step on this machine's EPYC), float32 elsewhere | bf16 | no (float32)
+    mixed_precision: str = "auto"
 
 
 @dataclass
@@ -76,10 +79,10 @@ class WorldConfig:
     # same function and costs grow_factor x per token; `target_grow_train` then trains all layers briefly.
     grow_factor: int = 3
     target_train: PretrainConfig = field(
-        default_factory=lambda: PretrainConfig(max_steps=450, max_minutes=60.0)
+        default_factory=lambda: PretrainConfig(max_steps=560, max_minutes=60.0)
     )
     target_grow_train: PretrainConfig = field(
-        default_factory=lambda: PretrainConfig(max_steps=60, max_minutes=20.0, lr=1e-3, warmup_steps=10)
+        default_factory=lambda: PretrainConfig(max_steps=20, max_minutes=20.0, lr=1e-3, warmup_steps=10)
     )
     draft_train: PretrainConfig = field(
         default_factory=lambda: PretrainConfig(max_steps=200, max_minutes=15.0, warmup_steps=20)

@@ -3,6 +3,7 @@ a unigram baseline, per-token forward time with a KV cache, and generated sample
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -33,6 +34,28 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def resolve_mixed_precision(mode: str, device: torch.device | str = "cpu") -> str:
+    """'auto' -> 'bf16' where bf16 matmuls are native (CUDA with bf16 support; a CPU whose oneDNN does bf16,
+    i.e. AVX512-BF16 or AMX), else 'no'. 'bf16' and 'no' pass through; anything else is an error."""
+    if mode not in ("auto", "bf16", "no"):
+        raise ValueError(f"mixed_precision must be auto, bf16 or no, got {mode!r}")
+    if mode != "auto":
+        return mode
+    if torch.device(device).type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    try:
+        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return "no"
+
+
+def autocast(mode: str, device: torch.device | str = "cpu"):
+    """The forward's autocast context for a resolved mode ('bf16' or 'no'); weights stay float32."""
+    if mode == "no":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
 def sample_windows(
     stream: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator
 ) -> torch.Tensor:
@@ -56,6 +79,8 @@ def train_lm(
     seq_len = min(cfg.seq_len, len(train_ids) - 1)
     budget_s = cfg.max_minutes * 60.0
     start = time.perf_counter()
+    device = next(model.parameters()).device
+    precision = resolve_mixed_precision(cfg.mixed_precision, device)
     bar = tqdm(total=cfg.max_steps, desc=desc, disable=not progress, dynamic_ncols=True)
     step, ema = 0, None
     while step < cfg.max_steps:
@@ -67,7 +92,8 @@ def train_lm(
         for group in opt.param_groups:
             group["lr"] = cfg.lr * scale
         input_ids = sample_windows(train_ids, cfg.batch_size, seq_len, rng)  # [B, T]
-        loss = model(input_ids=input_ids, labels=input_ids).loss
+        with autocast(precision, device):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -87,6 +113,7 @@ def train_lm(
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
         "final_train_loss_ema": round(float(ema), 4) if ema is not None else None,
         "stopped_by": "steps" if step >= cfg.max_steps else "time",
+        "mixed_precision": precision,
     }
 
 

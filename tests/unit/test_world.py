@@ -99,3 +99,26 @@ def test_unknown_world_name(bad, micro_world):
 
     with pytest.raises(ModelNotFoundError):
         resolve_model_path(bad, micro_world[0])
+
+
+def test_pretraining_precision_modes():
+    """auto -> bf16 exactly where oneDNN (CPU) or the GPU multiplies bf16 natively; the step trains either way."""
+    from resispec.models.config import PretrainConfig, SizeConfig
+    from resispec.models.factory import make_llama
+    from resispec.models.pretraining import resolve_mixed_precision, train_lm
+
+    assert resolve_mixed_precision("no") == "no" and resolve_mixed_precision("bf16") == "bf16"
+    assert resolve_mixed_precision("auto") == (
+        "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
+    )
+    with pytest.raises(ValueError, match="auto, bf16 or no"):
+        resolve_mixed_precision("fp8")
+    stream = torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(0)).numpy()
+    size = SizeConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    for mode in ("no", "bf16"):
+        torch.manual_seed(0)
+        model = make_llama(size, 64, 128)
+        cfg = PretrainConfig(max_steps=3, batch_size=2, seq_len=32, warmup_steps=1, mixed_precision=mode)
+        stats = train_lm(model, stream, cfg, seed=0, progress=False)
+        assert stats["mixed_precision"] == mode and stats["steps"] == 3
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: weights stay float32
