@@ -9,6 +9,7 @@ outputs/pipeline/<name>/<time>/{distill,bench}/. Every stage is the same library
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -22,30 +23,88 @@ from resispec.errors import exit_on_user_error
 register_configs()
 
 
+class StageClock:
+    """Stage headers with an estimate of the time left, from this machine's previous runs of the same stages
+    (kept in `history`, a small JSON file in the world cache). Each stage's own progress bar then shows its
+    live time left; this adds the whole job's."""
+
+    def __init__(self, history: Path, stages: list[tuple[str, str]]):
+        self.history = history
+        self.stages = stages  # (key, title) in order; the key names the stage in the history
+        try:
+            self.past: dict[str, float] = json.loads(history.read_text())
+        except (OSError, ValueError):
+            self.past = {}
+        self.timings: dict[str, float] = {}
+        self._t0 = self._job_t0 = time.perf_counter()
+
+    def _left(self, from_index: int) -> float | None:
+        past = [self.past.get(key) for key, _ in self.stages[from_index:]]
+        return None if any(p is None for p in past) else sum(past)
+
+    def start(self, key: str) -> None:
+        i = [k for k, _ in self.stages].index(key)
+        title = self.stages[i][1]
+        left = self._left(i)
+        elapsed = (time.perf_counter() - self._job_t0) / 60
+        est = (
+            f"job time left ~{left / 60:.1f} min (this stage ~{self.past[key] / 60:.1f} min, from the last run here)"
+            if left is not None
+            else "no earlier run here to estimate from; the stage's bar shows its own time left"
+        )
+        print(f"\n== [{i + 1}/{len(self.stages)}] {title} | {elapsed:.1f} min so far | {est}", flush=True)
+        self._t0 = time.perf_counter()
+
+    def stop(self, key: str) -> None:
+        self.timings[key] = time.perf_counter() - self._t0
+        self.past[key] = self.timings[key]
+        try:
+            self.history.parent.mkdir(parents=True, exist_ok=True)
+            self.history.write_text(json.dumps(self.past, indent=1, sort_keys=True))
+        except OSError:  # a read-only cache only loses the estimate
+            pass
+
+
 def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: dict | None = None) -> dict:
     """Run world -> distill -> bench under `output_dir` (distill/ and bench/ sub-folders). Returns a summary."""
-    from resispec.models import ensure_world, format_report
+    from resispec.models import cache_root, ensure_world, format_report, load_world
     from resispec.serving.bench import run_bench
     from resispec.training import JOB_SECTIONS, DistillJob, distill, format_metrics
 
     out = Path(output_dir)
-    timings: dict[str, float] = {}
+    uses_world = any(m.path.startswith("world:") for m in (cfg.target, cfg.draft))
+    cached = not uses_world or load_world(cfg.world) is not None
+    world_key = f"{cfg.name}/world_{'cached' if cached else 'build'}"
+    clock = StageClock(
+        cache_root(cfg.world) / "pipeline_times.json",
+        [
+            (world_key, f"world {cfg.world.name}: " + ("cached" if cached else "build (once per machine)")),
+            (f"{cfg.name}/distill", "regenerate with the target (cached) and distill the draft"),
+            (f"{cfg.name}/bench", "bench: AR vs every rule x tree, initial and distilled draft"),
+        ],
+    )
 
-    t0 = time.perf_counter()
-    if any(m.path.startswith("world:") for m in (cfg.target, cfg.draft)):
+    clock.start(world_key)
+    if uses_world:
         print(format_report(ensure_world(cfg.world).report))  # losses, perplexities, ms/token of the pair
-    timings["world_s"] = time.perf_counter() - t0
+    clock.stop(world_key)
 
-    t0 = time.perf_counter()
+    clock.start(f"{cfg.name}/distill")
     sections = {k: getattr(cfg, k) for k in JOB_SECTIONS}
     job = DistillJob(**sections, output_dir=out / "distill", name=cfg.name, resolved_config=resolved_config)
     result = distill(job)
-    timings["distill_s"] = time.perf_counter() - t0
+    clock.stop(f"{cfg.name}/distill")
+    m = result.metrics
+    if m.get("train_tokens_per_s"):
+        print(
+            f"\ndistillation: {m['steps']} steps, {m['tokens']:,} response tokens in {m['train_step_seconds']:.0f} s "
+            f"of training steps = {m['train_tokens_per_s']:,.0f} tokens/s (evaluation and checkpoints excluded)"
+        )
     print("\nHeld-out acceptance (alpha per rule) and simulated tau, before vs after distillation:")
     print(format_metrics(result.metrics))
 
     # The initial draft and the distilled one, each against plain AR decoding of the target, in one run.
-    t0 = time.perf_counter()
+    clock.start(f"{cfg.name}/bench")
     bench = dataclasses.replace(cfg.bench, draft_label="initial", drafts={"distilled": str(result.draft_dir)})
     bench_dir = out / "bench"
     rows = run_bench(
@@ -59,11 +118,12 @@ def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: d
         output_dir=bench_dir,
         run_name=cfg.name,
     )
-    timings["bench_s"] = time.perf_counter() - t0
+    clock.stop(f"{cfg.name}/bench")
+    timings = {key.split("/")[-1]: seconds for key, seconds in clock.timings.items()}
 
     print(f"\ndistilled draft: {result.draft_dir}")
     print(f"reports: {bench_dir / 'report.md'}, {result.output_dir / 'metrics.json'}")
-    print("stage times: " + ", ".join(f"{k[:-2]} {v / 60:.1f} min" for k, v in timings.items()))
+    print("stage times: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()))
     return {
         "distill_dir": str(result.output_dir),
         "draft_dir": str(result.draft_dir),

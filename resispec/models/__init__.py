@@ -18,6 +18,7 @@ from resispec.models.world import (
     config_hash,
     ensure_world,
     format_report,
+    load_world,
     remeasure_speed,
     stdlib_splits,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "load_model",
     "load_pair",
     "load_tokenizer",
+    "load_world",
     "make_llama",
     "remeasure_speed",
     "resolve_device",

@@ -107,6 +107,7 @@ class TrainerState:
     best_step: int = -1
     before: dict | None = None
     tokens: int = 0
+    step_seconds: float = 0.0  # wall time inside optimizer steps (evaluation and checkpoints excluded)
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -173,10 +174,14 @@ def distill(job: DistillJob) -> DistillResult:
         )
         t_last, tok_last = time.perf_counter(), 0
         while run.state.step < train.max_steps:
+            t_step = time.perf_counter()
             stats = _train_step(run)
+            run.state.step_seconds += time.perf_counter() - t_step
             tok_last += stats.tokens
             bar.update(1)
-            bar.set_postfix(loss=f"{stats.loss:.4f}")
+            bar.set_postfix(
+                loss=f"{stats.loss:.4f}", tok_s=f"{stats.tokens / (time.perf_counter() - t_step):.0f}"
+            )
             if due(every):
                 now = time.perf_counter()
                 run.log.log(
@@ -476,6 +481,10 @@ def _export(run: _Run) -> DistillResult:
         "num_processes": acc.num_processes,
         "distributed_type": acc.distributed_type.value,
         "tokens": state.tokens,
+        # the distillation step's throughput: response tokens (the positions the loss reads) per second of
+        # optimizer steps, over all processes; evaluation and checkpoint time excluded
+        "train_step_seconds": round(state.step_seconds, 4),
+        "train_tokens_per_s": round(state.tokens / state.step_seconds, 1) if state.step_seconds else None,
     }
     if run.is_main:
         ckpt.write_json_atomic(run_dir / "metrics.json", metrics)

@@ -75,6 +75,11 @@ def test_distill_writes_a_plain_hf_draft_that_generate_accepts(pair, tmp_path):
         assert set(metrics[phase]["alpha"]["resispec"]) == {"1", "2"}
         assert "rsd" not in metrics[phase]["tau"]  # no closed form: not simulated
     assert len(metrics["losses"]) == 6 and all(map(lambda v: v == v, metrics["losses"]))
+    # the step's throughput: response tokens over the time spent in optimizer steps
+    assert metrics["train_step_seconds"] > 0 and metrics["tokens"] > 0
+    assert metrics["train_tokens_per_s"] == pytest.approx(
+        metrics["tokens"] / metrics["train_step_seconds"], rel=0.01
+    )
     # best-by-tau: the saved draft is the checkpoint whose held-out tau is the best of the evaluated ones
     evals = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     taus = {e["step"]: e["eval/tau/resispec"] for e in evals if "eval/tau/resispec" in e}
