@@ -316,6 +316,15 @@ class _HoleyCache:
             self.valid = self.valid.gather(1, order)
 
 
+def _is_tree(flag) -> bool:
+    """A per-depth branching such as (2, 1) or [4, 2, 1, 1] (not a list of per-row flags)."""
+    return (
+        isinstance(flag, (tuple, list))
+        and len(flag) > 0
+        and all(isinstance(b, int) and not isinstance(b, bool) for b in flag)
+    )
+
+
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool [B, Q, K] -> additive 4D mask [B, 1, Q, K]."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -412,31 +421,33 @@ class BatchedSpeculativeDecoder:
     def step(self, draft: bool | Sequence[bool] = True) -> list[tuple[BatchRow, list[int]]]:
         """One speculative step for every row -> [(row, its emitted tokens)]; finished rows leave the batch.
 
-        draft: one flag for all rows or one per row. A row with False takes a plain autoregressive step (a
-        one-token verify); when no row drafts there is no draft forward at all and the tokens the draft has not
-        seen pile up in each row's `pending`, fed with the next drafting step. So the caller can switch
-        speculation off and on between steps (by load) without leaving exactness."""
+        draft: one entry for all rows or one per row: True drafts the decoder's tree, False takes a plain
+        autoregressive step (a one-token verify), a tree (per-depth branching, e.g. (2, 1)) drafts that tree this
+        step. When no row drafts there is no draft forward at all and the tokens the draft has not seen pile up in
+        each row's `pending`, fed with the next drafting step. So the caller can switch speculation off and on, or
+        change the tree, between steps (by load) without leaving exactness: every step is an exact step of its
+        own tree."""
         from resispec.decoding.engine import GREEDY_TOPK
-        from resispec.decoding.tree import DraftTree
+        from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
 
         rows = self.rows
         if not rows:
             return []
         t0 = time.perf_counter()
-        dev, nb, shape = self.device, len(rows), self.shape
+        dev, nb = self.device, len(rows)
         greedy_tk = [r.greedy and self.greedy_topk for r in rows]
         rules = [GREEDY_TOPK if g else self.rule for g in greedy_tk]
         q_set = [
             dict(temperature=1.0, top_k=0, top_p=1.0) if g else r.settings
             for r, g in zip(rows, greedy_tk, strict=True)
         ]
-        flags = [draft] * nb if isinstance(draft, bool) else list(draft)
+        flags = [draft] * nb if isinstance(draft, bool) or _is_tree(draft) else list(draft)
+        shapes = [self.shape if f is True else parse_tree(list(f)) if f else [] for f in flags]
         lims = [
-            min(len(shape), r.max_new_tokens - len(r.generated) - 1) if f else 0
-            for r, f in zip(rows, flags, strict=True)
+            min(len(sh), r.max_new_tokens - len(r.generated) - 1) for r, sh in zip(rows, shapes, strict=True)
         ]
-        draft = any(flags)  # whether the draft runs this step (it then takes every row's pending tokens)
-        trees = [DraftTree(r.root, self.max_nodes) for r in rows]
+        draft = any(lims)  # whether the draft runs this step (it then takes every row's pending tokens)
+        trees = [DraftTree(r.root, max_tree_nodes(sh)) for r, sh in zip(rows, shapes, strict=True)]
         proposals: list[list] = [[] for _ in rows]
         fed = [0] * nb  # deepest tree level each row's draft has processed
         node_col: list[dict[int, int]] = [{} for _ in rows]  # tree node -> draft cache column, this step
@@ -467,13 +478,13 @@ class BatchedSpeculativeDecoder:
                 for b, r in enumerate(rows)
             ]
             growing = [lim > 0 for lim in lims]
-            for depth in range(1, len(shape) + 1):
+            for depth in range(1, max(lims) + 1):
                 feed = []  # (row, level) pairs the draft processes at this depth
                 for b, r in enumerate(rows):
                     if not growing[b] or depth > lims[b]:
                         growing[b] = False
                         continue
-                    proposal = rules[b].propose(qs[b], shape[depth - 1], r.generator)
+                    proposal = rules[b].propose(qs[b], shapes[b][depth - 1], r.generator)
                     level = trees[b].add_level(proposal.token_ids.tolist())
                     if len(level) == 0:
                         growing[b] = False

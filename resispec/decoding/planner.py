@@ -31,6 +31,7 @@ from resispec.verify import VERIFIERS, covers
 from resispec.verify.estimate import monte_carlo_alpha
 
 NODE_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32)
+BATCH_NODE_GRID = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row timed at batch sizes > 1
 
 
 @dataclass
@@ -109,22 +110,24 @@ def forward_table(
     prefix_len: int = 64,
     reps: int = 7,
     vocab: int | None = None,
+    batch: int = 1,
 ) -> dict[int, float]:
-    """Median ms of one cached forward over n new tokens under a tree-style 4D mask, for every n of `nodes`.
+    """Median ms of one cached forward over n new tokens per row under a tree-style 4D mask, for every n of
+    `nodes`, with `batch` rows (the batched decoder's step: every row feeds its tree, padded to the widest).
     The counts are timed round-robin (one forward of each count per round, after a warm-up round), so a shared
     machine's speed drift hits every count alike and the RATIOS between counts, which decide the tree, hold."""
     dev = next(model.parameters()).device
     vocab = vocab or model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     longest = max(nodes)
-    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(dev)
-    ids = torch.randint(0, vocab, (1, longest), generator=gen).to(dev)
-    pos = torch.arange(prefix_len, prefix_len + longest, device=dev)[None]
+    prefix = torch.randint(0, vocab, (batch, prefix_len), generator=gen).to(dev)
+    ids = torch.randint(0, vocab, (batch, longest), generator=gen).to(dev)
+    pos = torch.arange(prefix_len, prefix_len + longest, device=dev)[None].expand(batch, -1)
     masks = {
         n: tree_attention_mask(
             prefix_len, torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)), model.dtype
-        )
-        if n > 1
+        ).expand(batch, -1, -1, -1)
+        if n > 1 or batch > 1
         else None
         for n in nodes
     }
@@ -150,13 +153,15 @@ def measure_costs(
     draft: torch.nn.Module | None = None,
     nodes: Sequence[int] = NODE_GRID,
     reps: int = 7,
+    batch: int = 1,
 ) -> CostModel:
-    """Target (and draft) forward time against tokens fed, on this device (the planner's cost model). Each table
-    is made non-decreasing in tokens (a suffix minimum): feeding more tokens never costs less, so a slow outlier
-    at a small count (a noisy shared machine) does not make AR look slower than a tree step."""
+    """Target (and draft) forward time against tokens fed per row, `batch` rows, on this device (the planner's
+    cost model). Each table is made non-decreasing in tokens (a suffix minimum): feeding more tokens never costs
+    less, so a slow outlier at a small count (a noisy shared machine) does not make AR look slower than a tree
+    step."""
     return CostModel(
-        target_ms=monotone(forward_table(target, nodes, reps=reps)),
-        draft_ms={} if draft is None else monotone(forward_table(draft, nodes, reps=reps)),
+        target_ms=monotone(forward_table(target, nodes, reps=reps, batch=batch)),
+        draft_ms={} if draft is None else monotone(forward_table(draft, nodes, reps=reps, batch=batch)),
     )
 
 
@@ -312,15 +317,22 @@ class Planner:
             raise ValueError("the planner needs at least one calibration prompt")
         self.target, self.prompts = target, [list(p) for p in prompts]
         self.continuation_tokens = continuation_tokens
-        self.target_ms = measure_costs(target).target_ms
-        self._draft_ms: dict[int, dict[int, float]] = {}
+        self._ms: dict[tuple[int, int], dict[int, float]] = {}  # (id(model), batch) -> ms by tokens per row
+        self.target_ms = self._table(target, 1)
         self._continuations: dict[tuple, list[list[int]]] = {}
 
-    def cost_for(self, draft: torch.nn.Module) -> CostModel:
-        """Target and `draft` forward times on this device (each draft measured once)."""
-        if id(draft) not in self._draft_ms:
-            self._draft_ms[id(draft)] = measure_costs(draft).target_ms
-        return CostModel(self.target_ms, self._draft_ms[id(draft)])
+    def _table(self, model: torch.nn.Module, batch: int) -> dict[int, float]:
+        key = (id(model), batch)
+        if key not in self._ms:  # larger batches: a shorter grid and fewer rounds (start-up time)
+            nodes = NODE_GRID if batch == 1 else BATCH_NODE_GRID
+            self._ms[key] = measure_costs(
+                model, nodes=nodes, reps=7 if batch == 1 else 4, batch=batch
+            ).target_ms
+        return self._ms[key]
+
+    def cost_for(self, draft: torch.nn.Module, batch: int = 1) -> CostModel:
+        """Target and `draft` forward times on this device with `batch` rows (each measured once)."""
+        return CostModel(self._table(self.target, batch), self._table(draft, batch))
 
     def costs(self, drafts: dict) -> dict[str, CostModel]:
         return {label: self.cost_for(d) for label, d in drafts.items()}
@@ -345,6 +357,21 @@ class Planner:
 
     def choose(self, draft: torch.nn.Module, rule: str, sampling: dict, auto_policy=None) -> Plan:
         """The planned tree of `rule` (a VERIFIERS key) for `draft` under `sampling` (temperature, top_k, top_p)."""
+        return self.choose_by_batch(draft, rule, sampling, (1,), auto_policy)[1]
+
+    def choose_by_batch(
+        self,
+        draft: torch.nn.Module,
+        rule: str,
+        sampling: dict,
+        batch_sizes: Sequence[int],
+        auto_policy=None,
+    ) -> dict[int, Plan]:
+        """The planned tree of `rule` for `draft` at each batch size (the batched decoder: every row drafts its
+        tree, one draft forward per depth and one target forward for all rows). The acceptance is per row, so
+        one calibration serves every size; the forward times are measured at each size, and the per-row host
+        work (the measured batch-1 overhead and verification) scales with the rows. A plan whose predicted
+        speedup is at most 1 says: at this batch size, do not speculate."""
         from resispec.verify import build_rule
 
         settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
@@ -363,4 +390,10 @@ class Planner:
         cost.overhead_ms = measure_overhead(
             self.target, draft, rule_obj, self.prompts[0], settings, cost, alpha=alpha
         )
-        return plan_tree(cost, alpha)
+        plans = {}
+        for b in batch_sizes:
+            at_b = self.cost_for(draft, b)
+            at_b.overhead_ms = cost.overhead_ms * b
+            at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
+            plans[b] = plan_tree(at_b, alpha)
+        return plans

@@ -32,6 +32,8 @@ class DecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_nodes - 1
         self.num_accepted_tokens += num_accepted
+        for per_position in (self.reached_per_position, self.accepted_per_position):
+            per_position.extend([0] * (depth - len(per_position)))  # a deeper tree than the earlier steps'
         for j in range(min(num_accepted + 1, depth)):
             self.reached_per_position[j] += 1
             self.accepted_per_position[j] += int(j < num_accepted)

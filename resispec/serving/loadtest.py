@@ -339,21 +339,20 @@ def compare_in_process(
 
     from resispec.serving.app import create_app
     from resispec.serving.config import ServerConfig
-    from resispec.serving.server import build_engine, planned_tree
+    from resispec.serving.server import AR_RULES, batch_buckets, build_engine, planned_trees
     from resispec.serving.text import encode_text
 
-    if decode.planned and decode.rule not in (
-        "ar",
-        "none",
-    ):  # tree=auto: plan once, every mode serves that tree
+    trees_by_batch = None
+    if decode.planned and decode.rule not in AR_RULES:  # tree=auto: plan once, every mode serves that plan
         calibration = [encode_text(tokenizer, p) for p in prompts[: max(decode.plan_prompts, 1)]]
-        decode = replace(decode, tree=planned_tree(target, draft, decode, calibration))
+        sizes = batch_buckets(max(bench.concurrencies or [bench.concurrency]))
+        trees_by_batch = planned_trees(target, draft, decode, calibration, sizes)
     results, costs = [], {}
     for label, overrides in (modes or serving_modes()).items():
         overrides = dict(overrides)
         dec = replace(decode, rule=overrides.pop("rule", decode.rule))
         server = ServerConfig(model_name="resispec", log_level="warning", **overrides)
-        engine = build_engine(target, draft, tokenizer, dec, server)
+        engine = build_engine(target, draft, tokenizer, dec, server, trees_by_batch=trees_by_batch)
         app = create_app(engine, tokenizer, server, dec, max_model_len=max_model_len)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -372,19 +371,25 @@ def compare_in_process(
             uv.should_exit = True
             thread.join(30)
     lines = [
-        f"| {label} | {b} | "
+        f"| {label} | {b} | {c['tree'] if c['spec'] is not None else '-'} | "
         + " | ".join("-" if c[m] is None else f"{1000 * c[m]:.2f}" for m in ("spec", "ar"))
         + " |"
         for label, table in costs.items()
         for b, c in table.items()
     ]
+    planned = (
+        "planned trees by batch size (decode.tree=auto; none = the planner predicts no gain): "
+        + ", ".join(f"{b}: {t or 'none'}" for b, t in trees_by_batch.items())
+        if trees_by_batch
+        else f"tree {decode.tree} at every batch size"
+    )
     cost_md = "\n".join(
         [
             "",
-            "Measured cost per emitted token (ms, median of recent steps) by batch size:",
+            f"Measured cost per emitted token (ms, median of recent steps) by batch size; {planned}:",
             "",
-            "| server | batch size | drafting | autoregressive |",
-            "|---|---|---|---|",
+            "| server | batch size | tree drafted | drafting | autoregressive |",
+            "|---|---|---|---|---|",
             *lines,
         ]
     )

@@ -272,21 +272,37 @@ class Scheduler:
             return self.batched.step()
         size = _bucket(len(self.batched.rows))
         mode = self._choose(size)
+        drafting = self.tree_at(size) if mode else False  # the tree rows draft this step (False: AR step)
+        # seeded sampled rows always draft the engine's own tree: their tokens never depend on the load
         flags = [
-            self.speculation != "never" and _seeded(rows[id(r)].job.params) or mode for r in self.batched.rows
+            True if self.speculation != "never" and _seeded(rows[id(r)].job.params) else drafting
+            for r in self.batched.rows
         ]
         t0 = time.perf_counter()
         out = self.batched.step(flags)
         tokens = sum(len(chunk) for _, chunk in out)
-        if tokens and all(f == mode for f in flags):  # a pure step measures its mode
+        if tokens and all(f is drafting for f in flags):  # a pure step measures its mode
             self._measure(("spec" if mode else "ar", size), (time.perf_counter() - t0) / tokens)
         return out
+
+    def tree_at(self, size: int):
+        """The tree speculative steps draft at this batch-size bucket: the planner's tree for the bucket when the
+        engine was planned per batch size (`trees_by_batch`, decode.tree=auto), else True (the engine's tree).
+        Where the plan says not to speculate, exploring steps draft the engine's tree."""
+        planned = (getattr(self.engine, "trees_by_batch", None) or {}).get(size)
+        return tuple(planned) if planned else True
+
+    def _plan_prefers_ar(self, size: int) -> bool:
+        plan = getattr(self.engine, "trees_by_batch", None) or {}
+        return size in plan and not plan[size]
 
     def _choose(self, size: int) -> bool:
         """Draft this step? The adaptive policy (module docstring)."""
         if self.speculation != "auto":
             return self.speculation == "always"
         spec, ar = self.cost(("spec", size)), self.cost(("ar", size))
+        if spec is None and ar is None:  # the planner's prediction (if any) decides what is measured first
+            return not self._plan_prefers_ar(size)
         if spec is None:
             return True
         if ar is None:
@@ -308,7 +324,14 @@ class Scheduler:
         """Batch size bucket -> measured seconds per token of drafting and autoregressive steps (where speculation
         pays)."""
         sizes = sorted({size for _, size in self.samples})
-        return {b: {"spec": self.cost(("spec", b)), "ar": self.cost(("ar", b))} for b in sizes}
+        return {
+            b: {"spec": self.cost(("spec", b)), "ar": self.cost(("ar", b)), "tree": self._tree_label(b)}
+            for b in sizes
+        }
+
+    def _tree_label(self, size: int) -> list[int]:
+        tree = self.tree_at(size)
+        return list(self.batched.shape) if tree is True else list(tree)
 
     def _finish(self, task: _Task, error: BaseException | None = None) -> None:
         if task in self.tasks:

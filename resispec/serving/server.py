@@ -30,9 +30,22 @@ def context_length(target, draft, server: ServerConfig) -> int:
     return min(lengths) if lengths else 2048
 
 
-def planned_tree(target, draft, decode: DecodeConfig, prompts: list[list[int]]) -> list[int]:
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """The batch-size buckets the scheduler keeps costs for (powers of two up to max_batch_size's bucket)."""
+    sizes, b = [1], 1
+    while b < max_batch_size:
+        b *= 2
+        sizes.append(b)
+    return sizes
+
+
+def planned_trees(
+    target, draft, decode: DecodeConfig, prompts: list[list[int]], batch_sizes=(1,)
+) -> dict[int, list[int] | None]:
     """decode.tree=auto: the planner's tree for decode.rule at decode's sampling settings, on this device and pair,
-    calibrated on `prompts` (held-out prompt ids). Logs the choice with its predicted tau and speedup."""
+    calibrated on `prompts` (held-out prompt ids), for each batch size -> {size: tree, or None where the planner
+    predicts that speculation does not pay}; batch size 1 always gets a tree (the engine's own). Logs each choice
+    with its predicted tau and speedup."""
     from resispec.decoding.planner import Planner
 
     if not prompts:
@@ -40,11 +53,19 @@ def planned_tree(target, draft, decode: DecodeConfig, prompts: list[list[int]]) 
             "decode.tree=auto needs calibration prompts (decode.plan_prompts > 0 and a data source)"
         )
     sampling = {"temperature": decode.temperature, "top_k": decode.top_k, "top_p": decode.top_p}
-    plan = Planner(target, prompts).choose(draft, decode.rule, sampling, decode.auto_policy)
-    msg = f"tree=auto ({decode.rule}, T={decode.temperature:g}): {plan.describe()}"
-    log.info(msg)
-    print(msg, flush=True)
-    return plan.tree
+    plans = Planner(target, prompts).choose_by_batch(
+        draft, decode.rule, sampling, sorted(set(batch_sizes) | {1}), decode.auto_policy
+    )
+    trees = {}
+    for b, plan in plans.items():
+        pays = plan.speedup > 1.0 or b == 1
+        trees[b] = plan.tree if pays else None
+        msg = f"tree=auto ({decode.rule}, T={decode.temperature:g}, batch {b}): {plan.describe()}" + (
+            "" if pays else " -> no speculation at this batch size"
+        )
+        log.info(msg)
+        print(msg, flush=True)
+    return trees
 
 
 def build_engine(
@@ -54,16 +75,21 @@ def build_engine(
     decode: DecodeConfig,
     server: ServerConfig | None = None,
     plan_prompts: list[list[int]] | None = None,
+    trees_by_batch: dict[int, list[int] | None] | None = None,
 ):
     """A DecoderEngine for the loaded pair under the `decode` settings (rule `ar` serves the target alone);
     `server` sets continuous batching (max_batch_size, kv_budget_tokens, speculation). decode.tree=auto plans the
-    tree first, calibrated on `plan_prompts`."""
+    tree per batch-size bucket first, calibrated on `plan_prompts`, unless `trees_by_batch` brings the plan."""
 
+    server = server or ServerConfig(max_batch_size=1)
     speculative = decode.rule not in AR_RULES
     if not speculative:
         tree = [1]
     elif decode.planned:
-        tree = planned_tree(target, draft, decode, plan_prompts or [])
+        if trees_by_batch is None:
+            sizes = batch_buckets(server.max_batch_size)
+            trees_by_batch = planned_trees(target, draft, decode, plan_prompts or [], sizes)
+        tree = trees_by_batch[1]
     else:
         tree = decode.tree
     decoder = SpeculativeDecoder(
@@ -76,7 +102,6 @@ def build_engine(
         tokenizer=tokenizer,
         compile=decode.compile,
     )
-    server = server or ServerConfig(max_batch_size=1)
     return DecoderEngine(
         decoder,
         tokenizer,
@@ -84,6 +109,7 @@ def build_engine(
         max_batch_size=server.max_batch_size,
         kv_budget=server.kv_budget_tokens,
         speculation=server.speculation,
+        trees_by_batch=trees_by_batch if speculative and decode.planned else None,
     )
 
 

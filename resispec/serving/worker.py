@@ -63,7 +63,8 @@ class DecoderEngine:
     With `max_batch_size > 1` it also carries a batched decoder over the same pair (`batched`: speculative or AR
     as the engine), which the scheduler uses to decode many requests in one target forward per step. `kv_budget`
     (tokens, None = unbounded) bounds the batch cache; `speculation` (auto | always | never) is the scheduler's
-    per-step drafting policy."""
+    per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
+    output under decode.tree=auto) is the tree speculative steps draft at each batch size."""
 
     def __init__(
         self,
@@ -73,8 +74,10 @@ class DecoderEngine:
         max_batch_size: int = 1,
         kv_budget: int | None = None,
         speculation: str = "auto",
+        trees_by_batch: dict[int, list[int] | None] | None = None,
     ) -> None:
         self.decoder = decoder
+        self.trees_by_batch = trees_by_batch
         self.tokenizer = tokenizer
         self.speculative = speculative
         self.device = decoder.device

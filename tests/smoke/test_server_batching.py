@@ -44,12 +44,12 @@ def serve(pair):
     target, draft, tok = pair
     servers = []
 
-    def start(**overrides):
+    def start(trees_by_batch=None, **overrides):
         server = ServerConfig(model_name="m", **overrides)
         decode = DecodeConfig(rule="resispec", tree=[2, 1])
-        app = create_app(
-            build_engine(target, draft, tok, decode, server), tok, server, decode, max_model_len=256
-        )
+        engine = build_engine(target, draft, tok, decode, server)
+        engine.trees_by_batch = trees_by_batch  # what decode.tree=auto plans (tests/smoke/test_tree_auto.py)
+        app = create_app(engine, tok, server, decode, max_model_len=256)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -123,6 +123,24 @@ def test_adaptive_speculation_measures_both_modes(serve, pair, one_thread):
         assert r.json()["choices"][0]["text"] == _greedy_alone(pair, body["prompt"], 40)
     table = sched.cost_table()
     assert any(c["spec"] is not None and c["ar"] is not None for c in table.values()), table
+
+
+def test_trees_by_batch_size_drive_the_speculative_steps(serve, pair, one_thread):
+    """The planner's per-batch-size trees: batch 1 drafts [3, 1, 1], batches of 2 take AR first (the plan says
+    speculation does not pay there) and explore the engine's tree, batches of 3-4 draft a chain of 2; every
+    output is still the target's greedy one."""
+    plan = {1: [3, 1, 1], 2: None, 4: [1, 1]}
+    url, sched = serve(trees_by_batch=plan, max_batch_size=4, speculation="auto")
+    assert sched.tree_at(1) == (3, 1, 1) and sched.tree_at(2) is True and sched.tree_at(4) == (1, 1)
+    assert sched._choose(2) is False and sched._choose(4) is True  # unmeasured: the plan decides first
+    bodies = [
+        {"model": "m", "prompt": p, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+        for p in PROMPTS[:4]
+    ]
+    for r, body in zip(_complete_all(url, bodies), bodies, strict=True):
+        assert r.json()["choices"][0]["text"] == _greedy_alone(pair, body["prompt"], 30)
+    table = sched.cost_table()
+    assert table[4]["tree"] == [1, 1] and table[4]["spec"] is not None, table
 
 
 def test_seeded_request_ignores_its_neighbours(serve, one_thread):

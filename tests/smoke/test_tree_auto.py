@@ -1,5 +1,6 @@
-"""decode.tree=auto end to end on the micro world: the server plans its tree at start-up (cost model, calibration
-on the data's eval split), serves with it, and the greedy output is still the target's own greedy output."""
+"""decode.tree=auto end to end on the micro world: the server plans its tree per batch-size bucket at start-up
+(cost model, calibration on the data's eval split), serves with it, and the greedy output is still the target's
+own greedy output."""
 
 from __future__ import annotations
 
@@ -30,17 +31,18 @@ def test_server_plans_its_tree_and_stays_exact(paths, capsys):
     decode = DecodeConfig(rule="resispec", tree="auto", temperature=0.0, plan_prompts=2)
     with single_thread():
         app = build_app(
-            ServerConfig(model_name="m", max_batch_size=1),
+            ServerConfig(model_name="m", max_batch_size=4),
             decode,
             ModelConfig(path=str(wp.target_dir)),
             ModelConfig(path=str(wp.draft_dir)),
             world,
             DataConfig(),
         )
-        assert (
-            "tree=auto (resispec, T=0)" in capsys.readouterr().out
-        )  # the choice is printed with its prediction
+        printed = capsys.readouterr().out  # each batch size's choice is printed with its prediction
+        assert all(f"tree=auto (resispec, T=0, batch {b})" in printed for b in (1, 2, 4)), printed
         engine = app.state.server.worker.engine
+        assert sorted(engine.trees_by_batch) == [1, 2, 4]
+        assert list(engine.decoder.shape) == engine.trees_by_batch[1]
         with TestClient(app) as client:
             body = {"model": "m", "prompt": "def main():\n", "max_tokens": 12, "temperature": 0}
             r = client.post("/v1/completions", json=body)

@@ -274,3 +274,40 @@ def test_batched_spec_draft_cache_emptied_by_a_leaving_row(setup):
         bs.step(draft=len(bs.rows) < 3)
     for row, prompt in zip(rows, prompts[2:5], strict=True):
         assert row.generated == _alone(ar, prompt, temperature=0.0)
+
+
+def test_batched_spec_changes_its_tree_between_steps(setup):
+    """The scheduler's per-batch-size trees: each step may draft another tree (deeper or wider than the decoder's
+    own, per row or for all), or none; every step is an exact step of its tree, so greedy rows stay the target's."""
+    _, ar, prompts = setup
+    _, bs = _spec(setup, tree=(2, 1))
+    rows = [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts]
+    schedule = [(3, 2, 1, 1), True, False, (1, 1, 1, 1, 1), (4,)]
+    step = 0
+    while bs.rows:
+        if step % 3 == 2:  # per-row trees in one step
+            bs.step(draft=[schedule[(step + b) % len(schedule)] for b in range(len(bs.rows))])
+        else:
+            bs.step(draft=schedule[step % len(schedule)])
+        step += 1
+    for row, prompt in zip(rows, prompts, strict=True):
+        assert row.generated == _alone(ar, prompt, temperature=0.0)
+        # depths up to 5 were drafted although the decoder's own tree has 2
+        assert len(row.stats.reached_per_position) == 5
+        assert row.stats.reached_per_position[0] >= row.stats.reached_per_position[4]
+
+
+def test_batched_spec_tree_per_step_is_the_tree_alone(setup):
+    """Drafting tree X for a row inside the batch is the batch-1 decoder with tree X: same seed, same tokens."""
+    _, _, prompts = setup
+    dec, bs = _spec(setup, rule="resispec", tree=(2, 1))
+    settings = dict(temperature=1.0, top_k=0, top_p=1.0, eos_token_id=[])
+    other, _ = _spec(setup, rule="resispec", tree=(3, 1, 1))
+    alone = other.generate(
+        torch.tensor([prompts[2]]), max_new_tokens=NEW, generator=torch.Generator().manual_seed(7), **settings
+    ).sequences[0, len(prompts[2]) :]
+    row = bs.add(prompts[2], max_new_tokens=NEW, generator=torch.Generator().manual_seed(7), **settings)
+    bs.add(prompts[0], max_new_tokens=NEW // 2, temperature=0.0, eos_token_id=[])
+    while bs.rows:
+        bs.step(draft=[(3, 1, 1) if r is row else False for r in bs.rows])
+    assert row.generated == alone.tolist()

@@ -163,6 +163,24 @@ def test_planner_choose_on_micro_models(micro_pair, temperature):
     assert set(cost.target_ms) == set(cost.draft_ms)
 
 
+def test_planner_by_batch_size_measures_each_size(micro_pair):
+    """One calibration, forward tables per batch size (a batch of 4 feeds 4 rows, so it costs more than one
+    row)."""
+    target, draft = micro_pair
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 64, (6,), generator=gen).tolist() for _ in range(2)]
+    with single_thread():
+        planner = Planner(target, prompts, continuation_tokens=12)
+        plans = planner.choose_by_batch(draft, "resispec", {"temperature": 0.0}, [1, 4])
+        one, four = planner.cost_for(draft, 1), planner.cost_for(draft, 4)
+    assert sorted(plans) == [1, 4]
+    assert plans[1].alpha == plans[4].alpha  # acceptance is per row: one calibration
+    assert set(four.target_ms) <= set(one.target_ms)  # the shorter grid at batch > 1
+    assert four.target(8) > one.target(1)  # 4 rows x 8 tokens cost more than 1 token
+    for plan in plans.values():
+        assert plan.tree in candidate_trees(max_branch=max(plan.alpha)) and plan.step_ms > 0
+
+
 # ------------------------------------------------------------------------------------------------ decode.tree=auto
 
 
