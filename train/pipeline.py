@@ -23,6 +23,9 @@ from resispec.errors import exit_on_user_error
 register_configs()
 
 
+INITIAL_DRAFT_RULES = ["chain", "resispec"]
+
+
 class StageClock:
     """Stage headers with an estimate of the time left, from this machine's previous runs of the same stages
     (kept in `history`, a small JSON file in the world cache). Each stage's own progress bar then shows its
@@ -105,7 +108,14 @@ def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: d
 
     # The initial draft and the distilled one, each against plain AR decoding of the target, in one run.
     clock.start(f"{cfg.name}/bench")
-    bench = dataclasses.replace(cfg.bench, draft_label="initial", drafts={"distilled": str(result.draft_dir)})
+    # the initial draft is the "before": its chain and resispec rows (and tree=auto, HF assisted) say what
+    # distillation changed; every rule runs on the distilled draft (bench.draft_rules.initial widens it)
+    bench = dataclasses.replace(
+        cfg.bench,
+        draft_label="initial",
+        drafts={"distilled": str(result.draft_dir)},
+        draft_rules={"initial": INITIAL_DRAFT_RULES, **cfg.bench.draft_rules},
+    )
     bench_dir = out / "bench"
     rows = run_bench(
         bench,

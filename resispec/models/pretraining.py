@@ -117,6 +117,28 @@ def train_lm(
     }
 
 
+def step_seconds(model: torch.nn.Module, cfg: PretrainConfig, vocab_size: int, reps: int = 2) -> float:
+    """Median seconds of a training step of `model` at `cfg`'s batch shape and precision, on random tokens, after
+    one warm-up step: the probe behind the world build's time estimate. It updates the weights: pass a throwaway
+    model."""
+    device = next(model.parameters()).device
+    precision = resolve_mixed_precision(cfg.mixed_precision, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(
+        0, vocab_size, (cfg.batch_size, cfg.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        with autocast(precision, device):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
+
+
 def eval_windows(stream: np.ndarray, seq_len: int, max_windows: int) -> torch.Tensor:
     """Non-overlapping windows spread evenly over a held-out stream (deterministic). -> [W, T] long."""
     seq_len = min(seq_len, len(stream))

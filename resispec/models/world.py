@@ -28,6 +28,7 @@ from resispec.models.pretraining import (
     forward_ms,
     generate_samples,
     heldout_loss,
+    step_seconds,
     train_lm,
     unigram_loss,
 )
@@ -208,6 +209,31 @@ def ensure_world(world: WorldConfig, progress: bool = True) -> WorldPaths:
     return _paths(root, report)  # the callers that show the report print format_report(paths.report)
 
 
+def estimate_build(world: WorldConfig, vocab: int, tokenizer) -> str:
+    """One line: the build's estimated minutes from timed training steps of throwaway models of each size (a few
+    seconds; the global RNG is reseeded before every real model, so the probe does not change the world)."""
+    times = {}
+    for role, size, tcfg in (
+        ("draft", world.draft, world.draft_train),
+        ("target", world.target, world.target_train),
+    ):
+        model = make_llama(size, vocab, world.max_position_embeddings, tokenizer)
+        times[role] = step_seconds(model, tcfg, vocab)
+    grown = times["target"] * world.grow_factor if world.grow_factor > 1 else 0.0  # block expansion: x layers
+    train_s = (
+        world.draft_train.max_steps * times["draft"]
+        + world.target_train.max_steps * times["target"]
+        + world.target_grow_train.max_steps * grown
+    )
+    minutes = train_s / 60 + 0.5  # + evaluation, samples and saving (about half a minute for the tiny world)
+    return (
+        f"estimated build time ~{minutes:.1f} min (measured steps: draft {times['draft']:.2f} s, "
+        f"target {times['target']:.2f} s; x{world.draft_train.max_steps}, x{world.target_train.max_steps}"
+        + (f", grown x{world.target_grow_train.max_steps} at ~{grown:.1f} s" if grown else "")
+        + "; a busy machine takes longer)"
+    )
+
+
 def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
 
     t_start = time.perf_counter()
@@ -245,6 +271,8 @@ def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
     test_starts = np.flatnonzero(streams["test"] == tokenizer.bos_token_id)[:NUM_SAMPLES]
     sample_prompts = [streams["test"][s : s + 24].tolist() for s in test_starts]
 
+    if progress:  # a time estimate for the whole build before it starts (each model's bar then shows its own)
+        log(f"[world {world.name}] {estimate_build(world, vocab, tokenizer)}")
     models = {}
     # the draft first: it is short, the target gets the rest
     for role, size, tcfg, seed_off in (

@@ -176,7 +176,7 @@ def _methods(
     ar_dec = SpeculativeDecoder(target, first_draft, rule="chain", tree=[1], tokenizer=tokenizer)
     out = [_decoder_method(BenchRow("ar", temperature), ar_dec.generate_autoregressive, device, sampling)]
     for label, draft in drafts.items():
-        for rule in bench.rules:
+        for rule in bench.draft_rules.get(label, bench.rules):
             for tree in bench.trees:
                 dec = SpeculativeDecoder(
                     target,

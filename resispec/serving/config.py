@@ -49,6 +49,9 @@ class BenchConfig:
     hf_assisted: bool = True
     hf_num_assistant_tokens: list[int] | None = None  # chain lengths tried for HF; null = lengths of `trees`
     drafts: dict[str, str] = field(default_factory=dict)  # extra drafts to compare: label -> path
+    # per-draft rules (label -> rules) where a draft needs fewer rows than `rules`, e.g. the main job's
+    # {initial: [chain, resispec]}: the initial draft is the before, not the object of the comparison
+    draft_rules: dict[str, list[str]] = field(default_factory=dict)
     draft_label: str = "draft"  # label of the configured `draft` in the report
     server_url: str | None = None  # load-test a running server instead (localhost only)
     concurrency: int = 8

@@ -33,7 +33,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: bool = False
     seed: int = 0
-    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    # no | bf16 | fp16 (accelerate) | auto (bf16 where the device multiplies bf16 natively, else no). The draft's
+    # forward and the online target's forward run under it; weights and the loss stay float32
+    mixed_precision: str = "no"
     output_dir: str | None = None  # default: the Hydra run folder
     eval_positions: int = 1024  # held-out positions for alpha / tau
     num_threads: int | None = None  # torch CPU threads during the run; None = torch's default (all cores)

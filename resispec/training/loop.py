@@ -287,8 +287,13 @@ def _check_job(job: DistillJob) -> None:
 
 
 def _make_accelerator(job: DistillJob):
+    from resispec.models.pretraining import resolve_mixed_precision
+
     on_cpu = job.target.device == "cpu" or not torch.cuda.is_available()
-    return make_accelerator(on_cpu, job.train.mixed_precision, max(1, job.train.grad_accum))
+    precision = job.train.mixed_precision
+    if precision == "auto":
+        precision = resolve_mixed_precision("auto", "cpu" if on_cpu else "cuda")
+    return make_accelerator(on_cpu, precision, max(1, job.train.grad_accum))
 
 
 def _resolve_run_dir(accelerator, job: DistillJob) -> Path:
@@ -416,9 +421,11 @@ def _train_step(run: _Run) -> StepStats:
 def _micro_batch_loss(run: _Run, batch: dict[str, torch.Tensor], mask: torch.Tensor):
     """(loss, stats) of one micro-batch: draft logits [B, T, V] against the online or cached target signal."""
     logits = run.draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    sig = (
-        cached_signal(batch) if run.job.train.target_signal == "cached" else online_signal(run.target, batch)
-    )
+    if run.job.train.target_signal == "cached":
+        sig = cached_signal(batch)
+    else:  # the target's forward is most of a step: it runs under the run's mixed precision as the draft's does
+        with run.accelerator.autocast():
+            sig = online_signal(run.target, batch)
     sig.values = sig.values[:, :-1]  # drop the last position: it predicts past the sequence
     sig.ids = None if sig.ids is None else sig.ids[:, :-1]
     return distill_loss(logits[:, :-1], sig, mask, run.job.loss, run.job.decode)

@@ -30,7 +30,7 @@ def test_pipeline_runs_every_stage_on_the_micro_world(micro_world, tmp_path):
         f"hydra.run.dir={run_dir}",
         "bench.hf_assisted=false",
         "bench.plan_rules=[]",
-        "bench.rules=[chain,resispec]",
+        "bench.rules=[chain,rrs]",
         "bench.trees=[[2,1]]",
         "logger.wandb.mode=disabled",
     ]
@@ -43,6 +43,15 @@ def test_pipeline_runs_every_stage_on_the_micro_world(micro_world, tmp_path):
         assert f"== [{i}/3] " in out and title in out, out[-3000:]
     assert "stage times: world" in out
     assert (run_dir / "bench" / "report.md").exists()
+    rows = json.loads((run_dir / "bench" / "report.json").read_text())["rows"]
+    rules = {
+        d: {r["rule"] for r in rows if r["method"] == "spec" and r["draft"] == d}
+        for d in ("initial", "distilled")
+    }
+    assert rules == {"initial": {"chain", "resispec"}, "distilled": {"chain", "rrs"}}, (
+        rules
+    )  # initial: the before
+    assert "distillation: 10 steps" in out and "tokens/s" in out
     assert (run_dir / "distill" / "draft" / "config.json").exists()
     history = json.loads((Path(world.cache_dir) / "pipeline_times.json").read_text())
     assert {"debug/world_cached", "debug/distill", "debug/bench"} <= set(history)

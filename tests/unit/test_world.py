@@ -122,3 +122,19 @@ def test_pretraining_precision_modes():
         stats = train_lm(model, stream, cfg, seed=0, progress=False)
         assert stats["mixed_precision"] == mode and stats["steps"] == 3
         assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: weights stay float32
+
+
+def test_build_estimate_times_real_steps_and_changes_nothing(micro_world, tmp_path, capsys):
+    """A build with progress announces its time from timed steps of throwaway models, and builds the very same
+    world as a silent build (the probe runs before the seeded models)."""
+    from safetensors.torch import load_file
+
+    world, paths = micro_world
+    again = ensure_world(replace(world, cache_dir=str(tmp_path)), progress=True)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "estimated build time" in x)
+    minutes = float(line.split("~")[1].split(" ")[0])
+    assert 0.5 < minutes < 30 and "measured steps: draft" in line
+    for role in ("target_dir", "draft_dir"):
+        a = load_file(getattr(paths, role) / "model.safetensors")
+        b = load_file(getattr(again, role) / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), role
