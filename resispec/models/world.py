@@ -209,9 +209,41 @@ def ensure_world(world: WorldConfig, progress: bool = True) -> WorldPaths:
     return _paths(root, report)  # the callers that show the report print format_report(paths.report)
 
 
-def estimate_build(world: WorldConfig, vocab: int, tokenizer) -> str:
-    """One line: the build's estimated minutes from timed training steps of throwaway models of each size (a few
-    seconds; the global RNG is reseeded before every real model, so the probe does not change the world)."""
+@dataclass
+class BuildEstimate:
+    """Seconds per training step of each phase, from timed steps of throwaway models (the first steps of a run are
+    slower than its steady state, so this over-estimates; `after_draft` corrects it with the draft's real pace)."""
+
+    world: WorldConfig
+    draft_s: float
+    target_s: float
+
+    def seconds(self, scale: float = 1.0, draft: bool = True) -> float:
+        w = self.world
+        grown = w.target_grow_train.max_steps * self.target_s * w.grow_factor if w.grow_factor > 1 else 0.0
+        steps = w.target_train.max_steps * self.target_s + grown
+        if draft:
+            steps += w.draft_train.max_steps * self.draft_s
+        return (
+            scale * steps + 30.0
+        )  # + evaluation, samples and saving (about half a minute for the tiny world)
+
+    def describe(self) -> str:
+        return (
+            f"estimated build time ~{self.seconds() / 60:.1f} min (timed probe steps: draft {self.draft_s:.2f} s, "
+            f"target {self.target_s:.2f} s, x{self.world.draft_train.max_steps} and "
+            f"x{self.world.target_train.max_steps} + {self.world.target_grow_train.max_steps} grown; the first steps "
+            "run slower than the rest, so this is an upper bound unless the machine gets busier)"
+        )
+
+    def after_draft(self, draft_seconds: float) -> str:
+        scale = draft_seconds / max(self.world.draft_train.max_steps * self.draft_s, 1e-9)
+        return f"target: ~{self.seconds(scale, draft=False) / 60:.1f} min left (the probe, scaled by the draft's pace)"
+
+
+def estimate_build(world: WorldConfig, vocab: int, tokenizer) -> BuildEstimate:
+    """Time a few training steps of throwaway models of each size (seconds; the global RNG is reseeded before every
+    real model, so the probe does not change the world)."""
     times = {}
     for role, size, tcfg in (
         ("draft", world.draft, world.draft_train),
@@ -219,19 +251,7 @@ def estimate_build(world: WorldConfig, vocab: int, tokenizer) -> str:
     ):
         model = make_llama(size, vocab, world.max_position_embeddings, tokenizer)
         times[role] = step_seconds(model, tcfg, vocab)
-    grown = times["target"] * world.grow_factor if world.grow_factor > 1 else 0.0  # block expansion: x layers
-    train_s = (
-        world.draft_train.max_steps * times["draft"]
-        + world.target_train.max_steps * times["target"]
-        + world.target_grow_train.max_steps * grown
-    )
-    minutes = train_s / 60 + 0.5  # + evaluation, samples and saving (about half a minute for the tiny world)
-    return (
-        f"estimated build time ~{minutes:.1f} min (measured steps: draft {times['draft']:.2f} s, "
-        f"target {times['target']:.2f} s; x{world.draft_train.max_steps}, x{world.target_train.max_steps}"
-        + (f", grown x{world.target_grow_train.max_steps} at ~{grown:.1f} s" if grown else "")
-        + "; a busy machine takes longer)"
-    )
+    return BuildEstimate(world, times["draft"], times["target"])
 
 
 def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
@@ -271,8 +291,10 @@ def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
     test_starts = np.flatnonzero(streams["test"] == tokenizer.bos_token_id)[:NUM_SAMPLES]
     sample_prompts = [streams["test"][s : s + 24].tolist() for s in test_starts]
 
+    estimate = None
     if progress:  # a time estimate for the whole build before it starts (each model's bar then shows its own)
-        log(f"[world {world.name}] {estimate_build(world, vocab, tokenizer)}")
+        estimate = estimate_build(world, vocab, tokenizer)
+        log(f"[world {world.name}] {estimate.describe()}")
     models = {}
     # the draft first: it is short, the target gets the rest
     for role, size, tcfg, seed_off in (
@@ -321,6 +343,8 @@ def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)  # each checkpoint loads on its own by path
         models[role] = (model, stats)
+        if role == "draft" and estimate is not None:
+            log(f"[world {world.name}] {estimate.after_draft(stats['train_seconds'])}")
 
     uni = unigram_loss(streams["train"], windows, vocab)
     target_model, target_stats = models["target"]

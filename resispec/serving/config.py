@@ -18,6 +18,9 @@ class ServerConfig:
         "auto"  # draft per step: auto (when measured cheaper at this batch size) | always | never
     )
     kv_budget_tokens: int | None = None  # KV bound: rows x longest prompt+max_tokens; null = none
+    # torch threads of the decoding thread; null = all cores but one, left to the event loop that streams the
+    # tokens (on 2 cores, 2 torch threads fighting the event loop made batched steps ~2x slower: recipes/vllm)
+    num_threads: int | None = None
     max_tokens_default: int = 128  # when a request gives no max_tokens (capped by the context left)
     max_model_len: int | None = None  # context length; null = the smaller max_position_embeddings of the pair
     max_body_bytes: int = 2 * 1024 * 1024  # larger request bodies get 413 at once (a 128k-token prompt fits)

@@ -21,6 +21,19 @@ log = logging.getLogger(__name__)
 AR_RULES = ("ar", "none")
 
 
+def serving_threads(server: ServerConfig) -> int:
+    """Set torch's intra-op threads for serving (`server.num_threads`, else all cores but one: the event loop
+    and the HTTP streaming need a core of their own, or the decode step's threads wait on it). -> the count."""
+    import os
+
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = server.num_threads or max(1, cores - 1)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def context_length(target, draft, server: ServerConfig) -> int:
     """The server's context length: `server.max_model_len`, else the smaller max_position_embeddings."""
     if server.max_model_len is not None:
@@ -124,6 +137,7 @@ def build_app(
     """Load the pair named by the configs and return the FastAPI app serving it. `data`: where decode.tree=auto
     takes its calibration prompts (the eval split)."""
 
+    threads = serving_threads(server)
     target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
     prompts = None
     if decode.planned and decode.rule not in AR_RULES and data is not None and decode.plan_prompts > 0:
@@ -133,7 +147,7 @@ def build_app(
     engine = build_engine(target, draft, tokenizer, decode, server, plan_prompts=prompts)
     max_len = context_length(target, draft, server)
     log.info(
-        "serving %s (target %s, draft %s) rule=%s tree=%s, context %d, max batch %d",
+        "serving %s (target %s, draft %s) rule=%s tree=%s, context %d, max batch %d, %d torch threads",
         server.model_name,
         target_cfg.path,
         draft_cfg.path,
@@ -141,6 +155,7 @@ def build_app(
         engine.decoder.shape,
         max_len,
         server.max_batch_size,
+        threads,
     )
     return create_app(engine, tokenizer, server, decode, max_model_len=max_len)
 

@@ -79,6 +79,13 @@ def test_stage_clock_estimates_from_the_previous_run(tmp_path, capsys):
     second.start("job/b")
     assert "job time left ~1.0 min" in capsys.readouterr().out
 
+    with_default = stage_clock(tmp_path / "none.json", stages, defaults={"job/a": 0.0})
+    with_default.start("job/a")
+    assert "no earlier run here" in capsys.readouterr().out  # job/b was never timed
+    with_default.past["job/b"] = 30.0
+    with_default.start("job/a")
+    assert "job time left ~0.5 min" in capsys.readouterr().out
+
     history.write_text("not json")  # a damaged history only loses the estimate
     third = stage_clock(history, stages)
     third.start("job/a")

@@ -451,3 +451,20 @@ def test_encode_chat_uses_the_tokenizer_template_when_present():
     assert encode_chat(Templated(), [("user", "ab"), ("user", "c")]) == Templated()("abc ")["input_ids"]
     plain = CharTokenizer()
     assert encode_chat(plain, [("user", "ab")]) == plain(fallback_chat_prompt([("user", "ab")]))["input_ids"]
+
+
+def test_serving_threads_leave_a_core_to_the_event_loop():
+    import os
+
+    import torch
+
+    from resispec.serving.config import ServerConfig
+    from resispec.serving.server import serving_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert serving_threads(ServerConfig(num_threads=3)) == 3 and torch.get_num_threads() == 3
+        cores = len(os.sched_getaffinity(0))
+        assert serving_threads(ServerConfig()) == max(1, cores - 1) == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

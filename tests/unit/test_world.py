@@ -131,9 +131,11 @@ def test_build_estimate_times_real_steps_and_changes_nothing(micro_world, tmp_pa
 
     world, paths = micro_world
     again = ensure_world(replace(world, cache_dir=str(tmp_path)), progress=True)
-    line = next(x for x in capsys.readouterr().out.splitlines() if "estimated build time" in x)
+    out = capsys.readouterr().out.splitlines()
+    line = next(x for x in out if "estimated build time" in x)
     minutes = float(line.split("~")[1].split(" ")[0])
-    assert 0.5 < minutes < 30 and "measured steps: draft" in line
+    assert 0.5 < minutes < 30 and "timed probe steps: draft" in line
+    assert any("target: ~" in x and "min left" in x for x in out)  # corrected by the draft's real pace
     for role in ("target_dir", "draft_dir"):
         a = load_file(getattr(paths, role) / "model.safetensors")
         b = load_file(getattr(again, role) / "model.safetensors")
