@@ -224,9 +224,8 @@ class BuildEstimate:
         steps = w.target_train.max_steps * self.target_s + grown
         if draft:
             steps += w.draft_train.max_steps * self.draft_s
-        return (
-            scale * steps + 30.0
-        )  # + evaluation, samples and saving (about half a minute for the tiny world)
+        # + evaluation, samples and saving: about half a minute for the tiny world
+        return scale * steps + 30.0
 
     def describe(self) -> str:
         return (

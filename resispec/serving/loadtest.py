@@ -342,9 +342,8 @@ def compare_in_process(
     from resispec.serving.server import AR_RULES, batch_buckets, build_engine, planned_trees, serving_threads
     from resispec.serving.text import encode_text
 
-    serving_threads(
-        ServerConfig()
-    )  # as the real server: a core left to the event loop (and this load generator)
+    # as the real server: a core left to the event loop (and to this load generator)
+    serving_threads(ServerConfig())
     trees_by_batch = None
     if decode.planned and decode.rule not in AR_RULES:  # tree=auto: plan once, every mode serves that plan
         calibration = [encode_text(tokenizer, p) for p in prompts[: max(decode.plan_prompts, 1)]]
