@@ -318,7 +318,7 @@ class Planner:
         self.target, self.prompts = target, [list(p) for p in prompts]
         self.continuation_tokens = continuation_tokens
         self._ms: dict[tuple[int, int], dict[int, float]] = {}  # (id(model), batch) -> ms by tokens per row
-        self.target_ms = self._table(target, 1)
+        self._table(target, 1)  # the target's batch-1 costs now, before any calibration
         self._continuations: dict[tuple, list[list[int]]] = {}
 
     def _table(self, model: torch.nn.Module, batch: int) -> dict[int, float]:

@@ -64,6 +64,17 @@ def sample_windows(
     return torch.from_numpy(np.stack([stream[s : s + seq_len] for s in starts]).astype(np.int64))
 
 
+def _optimizer_step(model, opt, input_ids: torch.Tensor, precision: str, device) -> torch.Tensor:
+    """One causal-LM training step on `input_ids` [B, T] (forward under the precision, clipped gradients) -> loss."""
+    with autocast(precision, device):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def train_lm(
     model: torch.nn.Module,
     train_ids: np.ndarray,  # [N] int32 token stream
@@ -92,12 +103,7 @@ def train_lm(
         for group in opt.param_groups:
             group["lr"] = cfg.lr * scale
         input_ids = sample_windows(train_ids, cfg.batch_size, seq_len, rng)  # [B, T]
-        with autocast(precision, device):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = _optimizer_step(model, opt, input_ids, precision, device)
         step += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.update(1)
@@ -130,11 +136,7 @@ def step_seconds(model: torch.nn.Module, cfg: PretrainConfig, vocab_size: int, r
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
-        with autocast(precision, device):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _optimizer_step(model, opt, ids, precision, device)
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:]))
 

@@ -98,6 +98,8 @@ class Scheduler:
         self.kv_budget, self.max_queue = kv_budget, max_queue
         self.speculative = bool(getattr(engine, "speculative", False))
         self.spec_batch = self.batched is not None and getattr(self.batched, "draft", None) is not None
+        # batch-size bucket -> planned tree, None = do not speculate (decode.tree=auto); empty = the engine's tree
+        self.trees_by_batch = getattr(engine, "trees_by_batch", None) or {}
         self.samples: dict[tuple[str, int], deque] = {}  # (mode, batch size) -> seconds per token
         self.steps_at: dict[int, int] = {}  # batch size -> steps taken
         self.peak_running = 0  # most requests decoded together so far
@@ -289,12 +291,11 @@ class Scheduler:
         """The tree speculative steps draft at this batch-size bucket: the planner's tree for the bucket when the
         engine was planned per batch size (`trees_by_batch`, decode.tree=auto), else True (the engine's tree).
         Where the plan says not to speculate, exploring steps draft the engine's tree."""
-        planned = (getattr(self.engine, "trees_by_batch", None) or {}).get(size)
+        planned = self.trees_by_batch.get(size)
         return tuple(planned) if planned else True
 
     def _plan_prefers_ar(self, size: int) -> bool:
-        plan = getattr(self.engine, "trees_by_batch", None) or {}
-        return size in plan and not plan[size]
+        return size in self.trees_by_batch and not self.trees_by_batch[size]
 
     def _choose(self, size: int) -> bool:
         """Draft this step? The adaptive policy (module docstring)."""

@@ -95,6 +95,16 @@ def _greedy_alone(pair, prompt: str, n: int) -> str:
     return decode_ids(tok, out.sequences[0, len(ids) :].tolist())
 
 
+def _assert_greedy_as_alone(url: str, pair, prompts: list[str], max_tokens: int) -> None:
+    """Concurrent greedy requests: each text equals the target's greedy decoding of its prompt alone."""
+    bodies = [
+        {"model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        for p in prompts
+    ]
+    for r, body in zip(_complete_all(url, bodies), bodies, strict=True):
+        assert r.json()["choices"][0]["text"] == _greedy_alone(pair, body["prompt"], max_tokens)
+
+
 def test_concurrent_greedy_requests_decode_together_and_equal_alone(serve, pair, one_thread):
     url, sched = serve(max_batch_size=4, speculation="always")
     bodies = [
@@ -115,12 +125,7 @@ def test_concurrent_greedy_requests_decode_together_and_equal_alone(serve, pair,
 
 def test_adaptive_speculation_measures_both_modes(serve, pair, one_thread):
     url, sched = serve(max_batch_size=4, speculation="auto")
-    bodies = [
-        {"model": "m", "prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-        for p in PROMPTS[:3]
-    ]
-    for r, body in zip(_complete_all(url, bodies), bodies, strict=True):
-        assert r.json()["choices"][0]["text"] == _greedy_alone(pair, body["prompt"], 40)
+    _assert_greedy_as_alone(url, pair, PROMPTS[:3], 40)
     table = sched.cost_table()
     assert any(c["spec"] is not None and c["ar"] is not None for c in table.values()), table
 
@@ -133,12 +138,7 @@ def test_trees_by_batch_size_drive_the_speculative_steps(serve, pair, one_thread
     url, sched = serve(trees_by_batch=plan, max_batch_size=4, speculation="auto")
     assert sched.tree_at(1) == (3, 1, 1) and sched.tree_at(2) is True and sched.tree_at(4) == (1, 1)
     assert sched._choose(2) is False and sched._choose(4) is True  # unmeasured: the plan decides first
-    bodies = [
-        {"model": "m", "prompt": p, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
-        for p in PROMPTS[:4]
-    ]
-    for r, body in zip(_complete_all(url, bodies), bodies, strict=True):
-        assert r.json()["choices"][0]["text"] == _greedy_alone(pair, body["prompt"], 30)
+    _assert_greedy_as_alone(url, pair, PROMPTS[:4], 30)
     table = sched.cost_table()
     assert table[4]["tree"] == [1, 1] and table[4]["spec"] is not None, table
 
