@@ -1,7 +1,9 @@
 """Milliseconds per emitted token of the batched decoders, timed alone (no server): batched AR, the speculative
 batch taking AR steps, and the speculative batch drafting a tree, at 1, 4 and 8 rows, T = 0, one torch thread.
 
-python recipes/tiny/batched_step_costs.py --draft <run>/distill/draft [--tree 3]
+python recipes/tiny/batched_step_costs.py --draft <run>/distill/draft [--tree 3] [--forward fast hf]
+
+--forward: the decoder's own forward (fast, the default) and/or the HF forward (hf), timed in the same run.
 
 What the server's adaptive policy and the planner's per-batch-size plans should agree with (recipes/vllm/README.md).
 """
@@ -25,10 +27,16 @@ def main() -> None:
     ap.add_argument("--draft", default="world:draft")
     ap.add_argument("--tree", type=int, nargs="+", default=[3])
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--forward", nargs="+", choices=["fast", "hf"], default=["fast"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     target, draft, tok = load_pair(ModelConfig(path=args.target), ModelConfig(path=args.draft))
-    dec = SpeculativeDecoder(target, draft, rule="resispec", tree=args.tree, tokenizer=tok)
+    decs = {
+        fwd: SpeculativeDecoder(
+            target, draft, rule="resispec", tree=args.tree, tokenizer=tok, fast_forward=fwd == "fast"
+        )
+        for fwd in args.forward
+    }
     texts = [
         "def main():\n    x = ",
         "import os\nimport sys\n\nclass Foo:\n    def ",
@@ -41,8 +49,8 @@ def main() -> None:
     ]
     prompts = [tok(t)["input_ids"] for t in texts]
     tree = f"spec batch, tree {args.tree}"
-    print(f"| rows | batched AR | spec batch, AR steps | {tree} |\n|---|---|---|---|")
-    for rows in (1, 4, 8):
+    print(f"| forward | rows | batched AR | spec batch, AR steps | {tree} |\n|---|---|---|---|---|")
+    for rows, (fwd, dec) in ((r, d) for r in (1, 4, 8) for d in decs.items()):
         ms = {}
         for label in ("batched AR", "spec batch, AR steps", tree):
             cls = BatchedDecoder if label == "batched AR" else BatchedSpeculativeDecoder
@@ -58,7 +66,7 @@ def main() -> None:
             ms[label] = 1e3 * (time.perf_counter() - t0) / emitted
         ar = ms["batched AR"]
         print(
-            f"| {rows} | {ar:.1f} | {ms['spec batch, AR steps']:.1f} | {ms[tree]:.1f} ({ar / ms[tree]:.2f}x) |"
+            f"| {fwd} | {rows} | {ar:.1f} | {ms['spec batch, AR steps']:.1f} | {ms[tree]:.1f} ({ar / ms[tree]:.2f}x) |"
         )
 
 

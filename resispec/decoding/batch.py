@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from resispec.decoding.fast_forward import fast_forward
 from resispec.decoding.kv_cache import (
     batch_attention_mask,
     crop_cache,
@@ -101,7 +102,7 @@ class BatchedDecoder:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size or target.get_output_embeddings().weight.shape[0]
         self.device = next(target.parameters()).device
-        self._target_fwd = forward if forward is not None else target
+        self._target_fwd = forward if forward is not None else fast_forward(target)
         self.rows: list[BatchRow] = []
         self.cache = new_cache(target)
         self.num_cols = 0  # T: columns of the batch cache
@@ -361,7 +362,7 @@ class BatchedSpeculativeDecoder:
         self.max_nodes = max_tree_nodes(self.shape)
         self.greedy_topk = greedy_topk
         self.device = next(target.parameters()).device
-        self._target_fwd, self._d_fwd = target, draft
+        self._target_fwd, self._d_fwd = fast_forward(target), fast_forward(draft)
         self.rows: list[BatchRow] = []
         self.tcache, self.dcache = _HoleyCache(target), _HoleyCache(draft)
 

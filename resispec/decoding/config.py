@@ -30,6 +30,8 @@ class DecodeConfig:
     top_k: int = 0
     max_new_tokens: int = 128
     compile: bool = False  # torch.compile the per-step functions (GPU)
+    # the decoder's own forward for Llama-family models (resispec/decoding/fast_forward.py); false = the HF forward
+    fast_forward: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, str):

@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 
+from resispec.decoding.fast_forward import fast_forward as make_forward
 from resispec.decoding.kv_cache import (
     cache_length,
     forward_logits,
@@ -59,7 +60,10 @@ class SpeculativeDecoder:
     rule: a name in `resispec.verify.VERIFIERS` (or a rule object); tree: branching per depth ([1]*k = chain).
     tokenizer: optional, needed only for `stop` strings. tokenizer_target / tokenizer_draft: when both are given
     they are checked to be the same tokenizer (TokenizerMismatchError otherwise).
-    compile: torch.compile the two model forwards (CUDA only; the uncompiled path is the reference).
+    compile: torch.compile the two HF model forwards (CUDA only; it replaces the fast forward).
+    fast_forward: run Llama-family models through the decoder's own forward (resispec/decoding/fast_forward.py:
+        the model's weights, fewer ops, K/V appended in place); False, or an unsupported architecture, runs the HF
+        forward.
     timing: synchronise CUDA around phases so draft/target seconds are exact (costs a little on GPU).
     lean: run the lean step (resispec/decoding/lean.py: less host work per step, same tokens at temperature 0, same
         law otherwise); False runs the reference step `_spec_steps` below.
@@ -81,6 +85,7 @@ class SpeculativeDecoder:
         timing: bool = True,
         greedy_topk: bool = True,
         lean: bool = True,
+        fast_forward: bool = True,
     ) -> None:
         check_tokenizers(tokenizer_target, tokenizer_draft)
         self.target, self.draft = target.eval(), draft.eval()
@@ -103,8 +108,8 @@ class SpeculativeDecoder:
         self.timing = timing
         self.greedy_topk = greedy_topk
         self.lean = lean
-        self._target_fwd: Callable = target
-        self._draft_fwd: Callable = draft
+        self._target_fwd: Callable = make_forward(target) if fast_forward else target
+        self._draft_fwd: Callable = make_forward(draft) if fast_forward else draft
         if compile and self.device.type == "cuda":
             self._target_fwd = torch.compile(target, dynamic=True)
             self._draft_fwd = torch.compile(draft, dynamic=True)

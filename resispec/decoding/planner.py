@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from resispec.decoding.fast_forward import fast_forward
 from resispec.decoding.kv_cache import crop_cache, forward_logits, new_cache, tree_attention_mask
 from resispec.decoding.tree import max_tree_nodes
 from resispec.sampling import is_greedy, probs
@@ -132,6 +133,7 @@ def forward_table(
         for n in nodes
     }
     cache = new_cache(model)
+    model = fast_forward(model)  # the decoder's forward (its default), not the HF module's
     forward_logits(model, prefix, cache, logits_to_keep=1)
     times: dict[int, list[float]] = {n: [] for n in nodes}
     for rnd in range(reps + 1):  # round 0 is a warm-up

@@ -57,6 +57,8 @@ class BenchRow:
     def label(self) -> str:
         if self.method == "ar":
             return "AR"
+        if self.method == "ar_ref":
+            return "AR (HF forward)"
         if self.method == "hf_assisted":
             return f"HF assisted {self.tree} ({self.draft})"
         return f"{self.rule} {self.tree} ({self.draft})"
@@ -173,8 +175,17 @@ def _methods(
 
     device = next(target.parameters()).device
     first_draft = next(iter(drafts.values()))
-    ar_dec = SpeculativeDecoder(target, first_draft, rule="chain", tree=[1], tokenizer=tokenizer)
+    fast = decode.fast_forward
+    ar_dec = SpeculativeDecoder(
+        target, first_draft, rule="chain", tree=[1], tokenizer=tokenizer, fast_forward=fast
+    )
     out = [_decoder_method(BenchRow("ar", temperature), ar_dec.generate_autoregressive, device, sampling)]
+    if bench.reference_step:  # the reference decoder's own baseline: AR on the HF forward
+        ar_ref = SpeculativeDecoder(
+            target, first_draft, rule="chain", tree=[1], tokenizer=tokenizer, fast_forward=False
+        )
+        row = BenchRow("ar_ref", temperature, tree="HF forward")
+        out.append(_decoder_method(row, ar_ref.generate_autoregressive, device, sampling))
     for label, draft in drafts.items():
         for rule in bench.draft_rules.get(label, bench.rules):
             for tree in bench.trees:
@@ -185,12 +196,19 @@ def _methods(
                     tree=tree,
                     tokenizer=tokenizer,
                     compile=decode.compile,
+                    fast_forward=fast,
                 )
                 row = BenchRow("spec", temperature, draft=label, rule=rule, tree=_tree_str(tree))
                 out.append(_decoder_method(row, dec.generate, device, sampling))
                 if bench.reference_step:
-                    ref = SpeculativeDecoder(
-                        target, draft, rule=dec.rule, tree=tree, tokenizer=tokenizer, lean=False
+                    ref = SpeculativeDecoder(  # the readable reference: reference step on the HF forward
+                        target,
+                        draft,
+                        rule=dec.rule,
+                        tree=tree,
+                        tokenizer=tokenizer,
+                        lean=False,
+                        fast_forward=False,
                     )
                     row = BenchRow("spec", temperature, draft=label, rule=rule, tree="ref" + _tree_str(tree))
                     out.append(_decoder_method(row, ref.generate, device, sampling))
@@ -205,6 +223,7 @@ def _methods(
                 tree=chosen.tree,
                 tokenizer=tokenizer,
                 compile=decode.compile,
+                fast_forward=fast,
             )
             row = BenchRow("spec", temperature, draft=label, rule=rule, tree="auto" + _tree_str(chosen.tree))
             row.stats["plan"] = chosen.as_dict()

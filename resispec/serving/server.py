@@ -114,6 +114,7 @@ def build_engine(
         tree=tree,
         tokenizer=tokenizer,
         compile=decode.compile,
+        fast_forward=decode.fast_forward,
     )
     return DecoderEngine(
         decoder,

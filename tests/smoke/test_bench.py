@@ -37,9 +37,10 @@ def test_bench_script_writes_report(micro_world, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert {"report.md", "report.json", "speedup.png"} <= {p.name for p in out.iterdir()}
     rows = json.loads((out / "report.json").read_text())["rows"]
-    # per temperature: AR + per draft (2 rules x 1 tree, lean and reference step, + the planned tree of 1 rule +
-    # HF assisted chain 2)
-    assert len(rows) == 2 * (1 + 2 * (2 * 2 + 1 + 1))
+    # per temperature: AR, AR on the HF forward (reference_step) + per draft (2 rules x 1 tree, lean and reference
+    # step, + the planned tree of 1 rule + HF assisted chain 2)
+    assert len(rows) == 2 * (2 + 2 * (2 * 2 + 1 + 1))
+    assert sum(r["method"] == "ar_ref" and 0 < r["speedup"] for r in rows) == 2
     assert sum(r["tree"] == "ref[2,1]" for r in rows) == 2 * 2 * 2
     assert {r["draft"] for r in rows} == {"-", "draft", "second"}
     for t in (0.0, 1.0):

@@ -1,0 +1,163 @@
+"""The decoder's own forward (resispec/decoding/fast_forward.py) against the HF forward it replaces: logits and
+cache contents on every path the decoders use, for every supported architecture, and the fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from resispec.decoding import SpeculativeDecoder
+from resispec.decoding.batch import BatchedDecoder
+from resispec.decoding.fast_forward import FastCausalLM, fast_forward
+from resispec.decoding.kv_cache import (
+    batch_attention_mask,
+    compact_to_path,
+    crop_cache,
+    forward_logits,
+    new_cache,
+    select_cache_rows,
+    tree_attention_mask,
+)
+from tests.unit.test_decoding_helpers import micro_llama, single_thread
+
+VOCAB = 96
+TOL = dict(atol=2e-4, rtol=2e-4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+def _model(arch: str, seed: int = 0, **extra):
+    if arch == "Llama":
+        return micro_llama(64, 2, VOCAB, seed=seed, **extra)
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, f"{arch}Config")(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=None,
+        eos_token_id=None,
+        **extra,
+    )
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(8)
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
+def _same_caches(a, b) -> None:
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        torch.testing.assert_close(la.keys, lb.keys, **TOL)
+        torch.testing.assert_close(la.values, lb.values, **TOL)
+
+
+@pytest.mark.parametrize("arch", ["Llama", "Mistral", "Qwen2", "Qwen3"])
+@torch.inference_mode()
+def test_logits_and_cache_equal_hf_on_every_decoder_path(arch):
+    """Prefill (long: x @ W^T; short: W @ x^T), one token (the padded two-column product), a tree block under a 4D
+    mask, several tokens with no mask after a cache (causal aligned to the cache's end), logits_to_keep; then the
+    cache edits of the decoders (crop, compaction to a path) and more forwards on the edited caches."""
+    model = _model(arch)
+    fast = fast_forward(model)
+    assert isinstance(fast, FastCausalLM) and fast_forward(model) is fast  # built once per model
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (1, 200), generator=gen)
+    hf_cache, our_cache = new_cache(model), new_cache(model)
+
+    def both(*args, **kwargs):
+        want = forward_logits(model, *args[:1], hf_cache, *args[1:], **kwargs)
+        got = forward_logits(fast, *args[:1], our_cache, *args[1:], **kwargs)
+        torch.testing.assert_close(got, want, **TOL)
+        _same_caches(our_cache, hf_cache)
+        return got
+
+    both(ids[:, :150])  # > 128 rows: x @ W^T
+    both(ids[:, 150:160], logits_to_keep=1)  # no mask after a cache: causal from the cache's end
+    both(ids[:, 160:161])  # one token
+    # a [2, 1] tree after the 161 cached tokens: root, two children of the root, one grandchild under the second
+    block = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    pos = torch.tensor([[161, 162, 162, 163]])
+    both(ids[:, 161:165], pos, tree_attention_mask(161, block, model.dtype))
+    for cache in (hf_cache, our_cache):
+        compact_to_path(cache, 161, [0, 2, 3])  # keep root, second child, grandchild
+    both(ids[:, 165:167])
+    for cache in (hf_cache, our_cache):
+        crop_cache(cache, 120)  # the next append writes over the cropped tokens
+    both(ids[:, 120:125])
+    both(ids[:, 125:126])
+
+
+@torch.inference_mode()
+def test_ragged_batch_with_row_removal_equals_hf():
+    """The batched decoders' layout: right-aligned rows of different lengths under the batch mask, per-row positions,
+    a row leaving (index_select replaces the tensors: the next append copies them into a fresh buffer)."""
+    model = _model("Llama", seed=3)
+    fast = fast_forward(model)
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([7, 12, 9])
+    ids = torch.randint(0, VOCAB, (3, 12), generator=gen)
+    hf_cache, our_cache = new_cache(model), new_cache(model)
+    mask = batch_attention_mask(torch.zeros(3, dtype=torch.long), 0, 12, model.dtype)
+    cols = torch.arange(12)
+    own = cols[None, :] >= (12 - lengths)[:, None]  # right-aligned: row b's tokens are its last lengths[b]
+    mask = mask.masked_fill(~own[:, None, None, :], torch.finfo(model.dtype).min)
+    pos = (cols[None, :] - (12 - lengths)[:, None]).clamp(min=0)
+    for fwd, cache in ((model, hf_cache), (fast, our_cache)):
+        forward_logits(fwd, ids, cache, pos, mask)
+    _same_caches(our_cache, hf_cache)
+    step = torch.randint(0, VOCAB, (3, 2), generator=gen)
+    step_mask = batch_attention_mask(lengths, 12, 2, model.dtype)
+    step_pos = lengths[:, None] + torch.arange(2)[None]
+    want = forward_logits(model, step, hf_cache, step_pos, step_mask)
+    got = forward_logits(fast, step, our_cache, step_pos, step_mask)
+    torch.testing.assert_close(got[own[:, -1]], want[own[:, -1]], **TOL)
+    _same_caches(our_cache, hf_cache)
+    keep = torch.tensor([2, 0])
+    for cache in (hf_cache, our_cache):
+        select_cache_rows(cache, keep)
+    lengths = lengths[keep] + 2
+    one = torch.randint(0, VOCAB, (2, 1), generator=gen)
+    args = (lengths[:, None], batch_attention_mask(lengths, 14, 1, model.dtype))
+    torch.testing.assert_close(
+        forward_logits(fast, one, our_cache, *args), forward_logits(model, one, hf_cache, *args), **TOL
+    )
+    _same_caches(our_cache, hf_cache)
+
+
+def test_unsupported_models_run_the_hf_forward():
+    gelu = micro_llama(32, 1, VOCAB, seed=0, hidden_act="gelu")
+    assert fast_forward(gelu) is gelu
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
+    )
+    assert fast_forward(gpt2) is gpt2
+    with pytest.raises(ValueError, match="no fast forward"):
+        FastCausalLM(gelu)
+
+
+@torch.inference_mode()
+def test_decoders_on_either_forward_give_target_greedy():
+    """Greedy decoding on the fast forward and on the HF forward both give HF generate's tokens; so does the batched
+    AR decoder (which builds the fast forward itself)."""
+    target, draft = micro_llama(64, 2, VOCAB, seed=0), micro_llama(32, 1, VOCAB, seed=1)
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    hf = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    for fast in (True, False):
+        dec = SpeculativeDecoder(target, draft, rule="resispec", tree=[3, 2, 1], fast_forward=fast)
+        assert isinstance(dec._target_fwd, FastCausalLM) is fast
+        assert torch.equal(dec.generate(ids, max_new_tokens=16, temperature=0.0).sequences, hf)
+        assert torch.equal(dec.generate_autoregressive(ids, max_new_tokens=16, temperature=0.0).sequences, hf)
+    batched = BatchedDecoder(target)
+    assert isinstance(batched._target_fwd, FastCausalLM)
+    row = batched.add(ids[0], max_new_tokens=16, temperature=0.0)
+    while batched.rows:
+        batched.step()
+    assert row.generated == hf[0, 5:].tolist()
