@@ -112,11 +112,16 @@ def forward_table(
     reps: int = 7,
     vocab: int | None = None,
     batch: int = 1,
+    between: torch.nn.Module | None = None,
 ) -> dict[int, float]:
     """Median ms of one cached forward over n new tokens per row under a tree-style 4D mask, for every n of
     `nodes`, with `batch` rows (the batched decoder's step: every row feeds its tree, padded to the widest).
     The counts are timed round-robin (one forward of each count per round, after a warm-up round), so a shared
-    machine's speed drift hits every count alike and the RATIOS between counts, which decide the tree, hold."""
+    machine's speed drift hits every count alike and the RATIOS between counts, which decide the tree, hold.
+    between: a model run (untimed, one token per row) before each timed forward, as the decoder's step runs the
+    other model in between. It matters for a small draft: timed back to back its weights stay in the CPU caches
+    (0.24 ms per forward for the tiny world's draft), in a decode step the target's forward has evicted them
+    (1.0 ms). Without it the difference lands in the measured host overhead, which the planner scales by rows."""
     dev = next(model.parameters()).device
     vocab = vocab or model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -135,9 +140,15 @@ def forward_table(
     cache = new_cache(model)
     model = fast_forward(model)  # the decoder's forward (its default), not the HF module's
     forward_logits(model, prefix, cache, logits_to_keep=1)
+    if between is not None:
+        other_cache, other = new_cache(between), fast_forward(between)
+        forward_logits(other, prefix, other_cache, logits_to_keep=1)
     times: dict[int, list[float]] = {n: [] for n in nodes}
     for rnd in range(reps + 1):  # round 0 is a warm-up
         for n in nodes:
+            if between is not None:
+                forward_logits(other, ids[:, :1], other_cache, pos[:, :1], masks[1] if batch > 1 else None)
+                crop_cache(other_cache, prefix_len)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
@@ -158,12 +169,15 @@ def measure_costs(
     batch: int = 1,
 ) -> CostModel:
     """Target (and draft) forward time against tokens fed per row, `batch` rows, on this device (the planner's
-    cost model). Each table is made non-decreasing in tokens (a suffix minimum): feeding more tokens never costs
-    less, so a slow outlier at a small count (a noisy shared machine) does not make AR look slower than a tree
-    step."""
+    cost model). The draft is timed with a target forward before each of its forwards (forward_table's
+    `between`), as in a decode step. Each table is made non-decreasing in tokens (a suffix minimum): feeding more
+    tokens never costs less, so a slow outlier at a small count (a noisy shared machine) does not make AR look
+    slower than a tree step."""
     return CostModel(
         target_ms=monotone(forward_table(target, nodes, reps=reps, batch=batch)),
-        draft_ms={} if draft is None else monotone(forward_table(draft, nodes, reps=reps, batch=batch)),
+        draft_ms={}
+        if draft is None
+        else monotone(forward_table(draft, nodes, reps=reps, batch=batch, between=target)),
     )
 
 
@@ -327,9 +341,9 @@ class Planner:
         key = (id(model), batch)
         if key not in self._ms:  # larger batches: a shorter grid and fewer rounds (start-up time)
             nodes = NODE_GRID if batch == 1 else BATCH_NODE_GRID
-            self._ms[key] = measure_costs(
-                model, nodes=nodes, reps=7 if batch == 1 else 4, batch=batch
-            ).target_ms
+            between = None if model is self.target else self.target  # a draft: timed as in a decode step
+            table = forward_table(model, nodes, reps=7 if batch == 1 else 4, batch=batch, between=between)
+            self._ms[key] = monotone(table)
         return self._ms[key]
 
     def cost_for(self, draft: torch.nn.Module, batch: int = 1) -> CostModel:

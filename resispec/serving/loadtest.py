@@ -343,7 +343,7 @@ def compare_in_process(
     from resispec.serving.text import encode_text
 
     # as the real server: a core left to the event loop (and to this load generator)
-    serving_threads(ServerConfig())
+    serving_threads(ServerConfig(), spare_core=True)
     trees_by_batch = None
     if decode.planned and decode.rule not in AR_RULES:  # tree=auto: plan once, every mode serves that plan
         calibration = [encode_text(tokenizer, p) for p in prompts[: max(decode.plan_prompts, 1)]]

@@ -453,7 +453,7 @@ def test_encode_chat_uses_the_tokenizer_template_when_present():
     assert encode_chat(plain, [("user", "ab")]) == plain(fallback_chat_prompt([("user", "ab")]))["input_ids"]
 
 
-def test_serving_threads_leave_a_core_to_the_event_loop():
+def test_serving_threads_take_every_core_or_leave_one():
     import os
 
     import torch
@@ -465,6 +465,9 @@ def test_serving_threads_leave_a_core_to_the_event_loop():
     try:
         assert serving_threads(ServerConfig(num_threads=3)) == 3 and torch.get_num_threads() == 3
         cores = len(os.sched_getaffinity(0))
-        assert serving_threads(ServerConfig()) == max(1, cores - 1) == torch.get_num_threads()
+        assert serving_threads(ServerConfig()) == cores == torch.get_num_threads()
+        assert (
+            serving_threads(ServerConfig(), spare_core=True) == max(1, cores - 1) == torch.get_num_threads()
+        )
     finally:
         torch.set_num_threads(before)
