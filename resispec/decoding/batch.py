@@ -103,6 +103,7 @@ class BatchedDecoder:
         self.vocab_size = vocab_size or target.get_output_embeddings().weight.shape[0]
         self.device = next(target.parameters()).device
         self._target_fwd = forward if forward is not None else fast_forward(target)
+        self._t_dtype = target.dtype  # read once: an HF model's .dtype walks its parameters
         self.rows: list[BatchRow] = []
         self.cache = new_cache(target)
         self.num_cols = 0  # T: columns of the batch cache
@@ -210,7 +211,7 @@ class BatchedDecoder:
             None  # no padding (every row spans all T columns): the plain causal path, as the batch-1 decoder
         )
         if any(r.length != self.num_cols for r in rows):
-            mask = batch_attention_mask(lengths, self.num_cols, 1, self.target.dtype)  # [B, 1, 1, T + 1]
+            mask = batch_attention_mask(lengths, self.num_cols, 1, self._t_dtype)  # [B, 1, 1, T + 1]
         logits = forward_logits(self._target_fwd, ids, self.cache, lengths[:, None], mask)[
             :, -1, : self.vocab_size
         ]
@@ -363,6 +364,7 @@ class BatchedSpeculativeDecoder:
         self.greedy_topk = greedy_topk
         self.device = next(target.parameters()).device
         self._target_fwd, self._d_fwd = fast_forward(target), fast_forward(draft)
+        self._t_dtype, self._d_dtype = target.dtype, draft.dtype  # read once: .dtype walks the parameters
         self.rows: list[BatchRow] = []
         self.tcache, self.dcache = _HoleyCache(target), _HoleyCache(draft)
 
@@ -471,7 +473,7 @@ class BatchedSpeculativeDecoder:
                 width, dtype=torch.bool, device=dev
             )[None]
             logits = forward_logits(
-                self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self.draft.dtype)
+                self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self._d_dtype)
             )
             self.dcache.append(new_valid)
             qs = [
@@ -513,7 +515,7 @@ class BatchedSpeculativeDecoder:
                     for j in range(1, level.start):
                         allowed[b, :n, node_col[b][j]] |= anc[:, j - 1].to(dev)
                 logits = forward_logits(
-                    self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self.draft.dtype)
+                    self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self._d_dtype)
                 )
                 self.dcache.append(torch.zeros(nb, width, dtype=torch.bool, device=dev))
                 for b, level in feed:
@@ -536,7 +538,7 @@ class BatchedSpeculativeDecoder:
             pos[b, :n] = torch.tensor(tree.depths, device=dev) + r.length
             allowed[b, :n, t_old : t_old + n] = tree.mask(range(n), range(n)).to(dev)
         logits = forward_logits(
-            self._target_fwd, ids, self.tcache.cache, pos, _additive(allowed, self.target.dtype)
+            self._target_fwd, ids, self.tcache.cache, pos, _additive(allowed, self._t_dtype)
         )
         t2 = time.perf_counter()
 

@@ -339,7 +339,14 @@ def compare_in_process(
 
     from resispec.serving.app import create_app
     from resispec.serving.config import ServerConfig
-    from resispec.serving.server import AR_RULES, batch_buckets, build_engine, planned_trees, serving_threads
+    from resispec.serving.server import (
+        AR_RULES,
+        batch_buckets,
+        build_engine,
+        off_main_thread,
+        planned_trees,
+        serving_threads,
+    )
     from resispec.serving.text import encode_text
 
     # as the real server: a core left to the event loop (and to this load generator)
@@ -348,7 +355,7 @@ def compare_in_process(
     if decode.planned and decode.rule not in AR_RULES:  # tree=auto: plan once, every mode serves that plan
         calibration = [encode_text(tokenizer, p) for p in prompts[: max(decode.plan_prompts, 1)]]
         sizes = batch_buckets(max(bench.concurrencies or [bench.concurrency]))
-        trees_by_batch = planned_trees(target, draft, decode, calibration, sizes)
+        trees_by_batch = off_main_thread(planned_trees, target, draft, decode, calibration, sizes)
     results, costs = [], {}
     for label, overrides in (modes or serving_modes()).items():
         overrides = dict(overrides)

@@ -37,6 +37,32 @@ def serving_threads(server: ServerConfig, spare_core: bool = False) -> int:
     return threads
 
 
+def off_main_thread(fn, *args, **kwargs):
+    """fn(*args, **kwargs) run in a short-lived thread; its result, or its exception re-raised.
+
+    The server's model work before serving (the planner's timings and calibration) runs here, never on the main
+    thread: with libgomp, once the main thread has run parallel torch work, matmuls in threads started later (the
+    decode thread) ran 2.5x slower on this 2-core machine (1.9 ms -> 4.6-5.0 ms for the same products; the tiny
+    world's server fell from 413 to 184 tok/s at 8 clients), while work done in a thread that has exited leaves
+    no such trace. Measured with torch 2.13 (CPU wheel); `tests/unit/test_serving.py` checks the plumbing."""
+    import threading
+
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller
+            out["error"] = exc
+
+    worker = threading.Thread(target=run, name="resispec-setup")
+    worker.start()
+    worker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def context_length(target, draft, server: ServerConfig) -> int:
     """The server's context length: `server.max_model_len`, else the smaller max_position_embeddings."""
     if server.max_model_len is not None:
@@ -149,7 +175,7 @@ def build_app(
         from resispec.serving.bench import load_bench_prompts
 
         prompts = load_bench_prompts(data, tokenizer, world, decode.plan_prompts, split="eval")
-    engine = build_engine(target, draft, tokenizer, decode, server, plan_prompts=prompts)
+    engine = off_main_thread(build_engine, target, draft, tokenizer, decode, server, plan_prompts=prompts)
     max_len = context_length(target, draft, server)
     log.info(
         "serving %s (target %s, draft %s) rule=%s tree=%s, context %d, max batch %d, %d torch threads",

@@ -471,3 +471,15 @@ def test_serving_threads_take_every_core_or_leave_one():
         )
     finally:
         torch.set_num_threads(before)
+
+
+def test_off_main_thread_returns_and_raises_from_another_thread():
+    import threading
+
+    from resispec.serving.server import off_main_thread
+
+    main = threading.get_ident()
+    assert off_main_thread(lambda a, b=0: (a + b, threading.get_ident()), 2, b=3)[0] == 5
+    assert off_main_thread(threading.get_ident) != main
+    with pytest.raises(KeyError, match="boom"):
+        off_main_thread(lambda: {}["boom"])
