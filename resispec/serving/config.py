@@ -61,6 +61,10 @@ class BenchConfig:
     num_requests: int = 32
     concurrencies: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # the load sweep's levels
     ignore_eos: bool = True  # load test: every request runs to max_tokens, so lost tokens show
+    # load test: each request carries a seed (bench.seed + i). Our server keeps a seeded sampled request's tokens
+    # independent of the load, so it always drafts and the adaptive policy cannot back off for it; false sends
+    # unseeded requests, as most clients do
+    seeded_requests: bool = True
     seed: int = 0
     output_dir: str | None = None  # default: the Hydra run folder
     # tree=auto rows: for each of these rules the planner (resispec/decoding/planner.py) picks the tree from this

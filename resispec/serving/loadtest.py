@@ -86,10 +86,11 @@ async def _one(
         "prompt": prompt,
         "max_tokens": bench.max_new_tokens,
         "temperature": temperature,
-        "seed": seed,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if bench.seeded_requests:
+        body["seed"] = seed
     if bench.ignore_eos:
         body["ignore_eos"] = True
     t0 = time.perf_counter()

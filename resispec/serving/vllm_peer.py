@@ -586,14 +586,24 @@ def load_sweep(
     temperature: float = 0.0,
 ) -> list[dict]:
     """The load benchmark (resispec.serving.loadtest, same prompts and settings) against one vLLM server, at each
-    concurrency. -> one dict per concurrency: the load-test result plus tau from vLLM's counters."""
+    concurrency. -> one dict per concurrency: the load-test result plus tau from vLLM's counters. With
+    `bench.vllm_fix_cpu_sampling` a draft server runs with the CPU sampling fix, and its rows say so."""
     from dataclasses import asdict, replace
 
     from resispec.serving.loadtest import run_load_test
 
     spec = spec_config(draft_dir, k, drafting) if draft_dir else None
     rows = []
-    with VllmServer(target_dir, spec, bench.vllm_python, env=dict(bench.vllm_env), args=bench.vllm_args) as s:
+    fix = bench.vllm_fix_cpu_sampling and spec is not None
+    server = VllmServer(
+        target_dir,
+        spec,
+        bench.vllm_python,
+        env=dict(bench.vllm_env),
+        args=bench.vllm_args,
+        fix_cpu_sampling=fix,
+    )
+    with server as s:
         for c in concurrencies:
             b = replace(bench, concurrency=c, temperatures=[temperature])
             before = s.spec_counters()
@@ -601,7 +611,7 @@ def load_sweep(
             stats = counters_to_stats(before, s.spec_counters(), res["completion_tokens"])
             res.update(
                 engine="vllm",
-                method="AR" if spec is None else f"{drafting} chain {k}",
+                method="AR" if spec is None else f"{drafting} chain {k}" + (f" {FIX_LABEL}" if fix else ""),
                 server_tau=stats.tau if spec else None,
             )
             rows.append(res)

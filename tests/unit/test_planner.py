@@ -18,6 +18,7 @@ from resispec.decoding.planner import (
     calibrate_alpha,
     candidate_trees,
     expected_tau,
+    measure_batch_overhead,
     measure_verify_ms,
     monotone,
     plan_tree,
@@ -179,6 +180,33 @@ def test_planner_by_batch_size_measures_each_size(micro_pair):
     assert four.target(8) > one.target(1)  # 4 rows x 8 tokens cost more than 1 token
     for plan in plans.values():
         assert plan.tree in candidate_trees(max_branch=max(plan.alpha)) and plan.step_ms > 0
+
+
+def test_batch_overhead_is_measured_at_the_batch_size(micro_pair):
+    """The batched decoder's host work is timed with that many rows: what the forwards (as timed) do not explain.
+    With forwards predicted free the whole step is overhead; with forwards predicted enormous, none is."""
+    target, draft = micro_pair
+    prompt = [1, 2, 3, 4, 5]
+    with single_thread():
+        for temperature, alpha in ((0.0, None), (1.0, {1: 0.5, 2: 0.6})):
+            free = CostModel({1: 0.0}, {1: 0.0})
+            ms = measure_batch_overhead(
+                target,
+                draft,
+                build_rule("resispec"),
+                prompt,
+                {"temperature": temperature},
+                free,
+                3,
+                steps=3,
+                alpha=alpha,
+            )
+            assert 0 < ms < 10_000
+        huge = CostModel({1: 1e6}, {1: 1e6})
+        assert (
+            measure_batch_overhead(target, draft, "chain", prompt, {"temperature": 0.0}, huge, 2, steps=2)
+            == 0.0
+        )
 
 
 # ------------------------------------------------------------------------------------------------ decode.tree=auto

@@ -483,3 +483,31 @@ def test_off_main_thread_returns_and_raises_from_another_thread():
     assert off_main_thread(threading.get_ident) != main
     with pytest.raises(KeyError, match="boom"):
         off_main_thread(lambda: {}["boom"])
+
+
+def test_load_requests_carry_a_seed_unless_told_not_to():
+    import asyncio
+    import json
+
+    import httpx
+
+    from resispec.serving.config import BenchConfig
+    from resispec.serving.loadtest import _one
+
+    bodies = []
+    stream = (
+        'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [], "usage": {"completion_tokens": 1}}\n\n'
+    )
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, text=stream + "data: [DONE]\n\n")
+
+    async def run(bench):
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await _one(client, "m", "hi", bench, 1.0, seed=7)
+
+    assert asyncio.run(run(BenchConfig()))[2] == 1 and bodies[-1]["seed"] == 7
+    asyncio.run(run(BenchConfig(seeded_requests=False)))
+    assert "seed" not in bodies[-1] and bodies[-1]["temperature"] == 1.0
