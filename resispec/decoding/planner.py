@@ -121,7 +121,7 @@ def forward_table(
     between: a model run (untimed, one token per row) before each timed forward, as the decoder's step runs the
     other model in between. It matters for a small draft: timed back to back its weights stay in the CPU caches
     (0.24 ms per forward for the tiny world's draft), in a decode step the target's forward has evicted them
-    (1.0 ms). Without it the difference lands in the measured host overhead, which the planner scales by rows."""
+    (1.0 ms). Without it the difference lands in the measured host overhead instead of the draft's cost."""
     dev = next(model.parameters()).device
     vocab = vocab or model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -235,8 +235,8 @@ def measure_batch_overhead(
 ) -> float:
     """Host ms per step of the batched speculative decoder with `rows` rows beyond what `cost` (forwards timed at
     that batch size; verification already scaled to the rows) predicts: a few steps on `prompt` in every row.
-    The batch-1 overhead times the rows over-predicts it (measured on the tiny world: 2 rows cost far less than
-    twice one row's host work), which made the planner give up speculation at every batch size above 1."""
+    It replaces the guess "batch-1 overhead times the rows": per-row bookkeeping, masks and cache repacks do not
+    scale that way, and whatever the forward tables miss at that batch size lands here too."""
     from resispec.decoding.batch import BatchedSpeculativeDecoder
 
     dec = BatchedSpeculativeDecoder(target, draft, rule, list(tree))
