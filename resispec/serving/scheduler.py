@@ -9,12 +9,16 @@ Paths a request can take:
 
 Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
 decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
-scheduler keeps, per batch size (bucketed by powers of two), the seconds per emitted token of the last COST_WINDOW
-drafting steps and of the last COST_WINDOW autoregressive steps (a step's wall time over the tokens it emitted; the
-draft's catch-up on tokens it skipped lands on the next drafting step, so it is charged to speculation), and takes
-the mode with the lower median; an unmeasured mode is tried first, and every EXPLORE_EVERY-th step at a batch size
-takes the losing mode to re-measure it. `cost_table()` shows where speculation stops paying. Seeded sampled rows
-always draft (unless `never`), so a seeded request's tokens never depend on its neighbours or on the load.
+scheduler compares the two modes in PAIRS: two adjacent steps, one of each mode, with the same rows, give one ratio
+of seconds per emitted token (drafting / autoregressive); per batch-size bucket (powers of two) it drafts while the
+median of the last COST_WINDOW ratios is below 1. Until a bucket has a ratio the planner's plan decides (drafting
+unless it planned none there). To measure, the preferred mode is left for PROBE_STEPS steps, every 4th step until
+the bucket's first ratio and every EXPLORE_EVERY-th step after. A drafting step right after autoregressive ones
+also feeds the draft the tokens it skipped, so it is never paired. (Costs of the two modes measured at different
+moments were compared before: a batch of 9 rows and one of 16 share a bucket, and the mode measured with more rows
+looked cheaper per token; at T = 1 the server drafted at 8-16 clients where batched AR was 10-26% faster.)
+`cost_table()` shows the per-mode medians and the ratio. Seeded sampled rows always draft (unless `never`), so a
+seeded request's tokens never depend on its neighbours or on the load.
 
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
 (running + 1) x the longest worst-case row fits (prompt + max_tokens; on the speculative batch with room for the
@@ -36,8 +40,9 @@ from resispec.serving.logprobs import start_scoring
 
 log = logging.getLogger(__name__)
 
-EXPLORE_EVERY = 64  # every so many steps at a batch size, the mode that measured slower is measured again
-COST_WINDOW = 32  # recent per-token costs kept per path; the policy compares medians
+EXPLORE_EVERY = 64  # every so many steps at a batch size, the other mode is measured again
+PROBE_STEPS = 2  # steps of the other mode per measurement (the first drafting one pays the draft's catch-up)
+COST_WINDOW = 32  # recent per-token costs (per mode) and spec/AR ratios kept per batch-size bucket
 SPECULATION = ("auto", "always", "never")  # lone requests: by measured cost, always speculative, never
 
 
@@ -101,7 +106,11 @@ class Scheduler:
         # batch-size bucket -> planned tree, None = do not speculate (decode.tree=auto); empty = the engine's tree
         self.trees_by_batch = getattr(engine, "trees_by_batch", None) or {}
         self.samples: dict[tuple[str, int], deque] = {}  # (mode, batch size) -> seconds per token
+        self.ratios: dict[int, deque] = {}  # batch size -> paired drafting / AR seconds per token
         self.steps_at: dict[int, int] = {}  # batch size -> steps taken
+        self._probing: dict[int, int] = {}  # batch size -> steps of the other mode still to take
+        self._steps = 0  # batch steps taken
+        self._prev: tuple | None = None  # the last pure step: (mode, rows, seconds per token, step, after AR)
         self.peak_running = 0  # most requests decoded together so far
         self.waiting: deque = deque()
         self.tasks: list[_Task] = []
@@ -280,11 +289,16 @@ class Scheduler:
             True if self.speculation != "never" and _seeded(rows[id(r)].job.params) else drafting
             for r in self.batched.rows
         ]
+        rows_before = len(self.batched.rows)
         t0 = time.perf_counter()
         out = self.batched.step(flags)
         tokens = sum(len(chunk) for _, chunk in out)
-        if tokens and all(f is drafting for f in flags):  # a pure step measures its mode
-            self._measure(("spec" if mode else "ar", size), (time.perf_counter() - t0) / tokens)
+        pure = bool(tokens) and all(f is drafting for f in flags)
+        if pure:  # a pure step measures its mode
+            self._measure(("spec" if mode else "ar", size), (time.perf_counter() - t0) / tokens, rows_before)
+        else:
+            self._prev = None
+        self._steps += 1
         return out
 
     def tree_at(self, size: int):
@@ -301,19 +315,39 @@ class Scheduler:
         """Draft this step? The adaptive policy (module docstring)."""
         if self.speculation != "auto":
             return self.speculation == "always"
-        spec, ar = self.cost(("spec", size)), self.cost(("ar", size))
-        if spec is None and ar is None:  # the planner's prediction (if any) decides what is measured first
-            return not self._plan_prefers_ar(size)
-        if spec is None:
-            return True
-        if ar is None:
-            return False
-        self.steps_at[size] = self.steps_at.get(size, 0) + 1
-        explore = self.steps_at[size] % EXPLORE_EVERY == 0  # now and then, re-measure the mode that lost
-        return (spec < ar) != explore
+        steps = self.steps_at[size] = self.steps_at.get(size, 0) + 1
+        ratio = self.ratio(size)
+        preferred = ratio < 1.0 if ratio is not None else not self._plan_prefers_ar(size)
+        left = self._probing.get(size, 0)
+        if left:
+            self._probing[size] = left - 1
+            return not preferred
+        if steps % (EXPLORE_EVERY if ratio is not None else 4) == 1:  # the other mode, from the next step
+            self._probing[size] = PROBE_STEPS
+        return preferred
 
-    def _measure(self, key: tuple[str, int], seconds_per_token: float) -> None:
+    def _measure(self, key: tuple[str, int], seconds_per_token: float, rows: int) -> None:
+        """Record a pure step's cost, and a ratio when it pairs with the step just before (module docstring)."""
         self.samples.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds_per_token)
+        mode, size = key
+        prev = self._prev
+        after_ar = mode == "spec" and prev is not None and prev[0] == "ar"
+        if (
+            prev is not None
+            and prev[3] == self._steps - 1
+            and prev[1] == rows
+            and prev[0] != mode
+            and not after_ar
+            and not prev[4]
+        ):
+            spec, ar = (seconds_per_token, prev[2]) if mode == "spec" else (prev[2], seconds_per_token)
+            self.ratios.setdefault(size, deque(maxlen=COST_WINDOW)).append(spec / ar)
+        self._prev = (mode, rows, seconds_per_token, self._steps, after_ar)
+
+    def ratio(self, size: int) -> float | None:
+        """Median paired drafting / AR cost per token at this batch-size bucket; None before the first pair."""
+        ratios = sorted(self.ratios.get(size, ()))
+        return ratios[len(ratios) // 2] if ratios else None
 
     def cost(self, key: tuple[str, int]) -> float | None:
         """Median seconds per emitted token of (mode "spec" | "ar", batch size) over its recent steps; None before
@@ -326,7 +360,12 @@ class Scheduler:
         pays)."""
         sizes = sorted({size for _, size in self.samples})
         return {
-            b: {"spec": self.cost(("spec", b)), "ar": self.cost(("ar", b)), "tree": self._tree_label(b)}
+            b: {
+                "spec": self.cost(("spec", b)),
+                "ar": self.cost(("ar", b)),
+                "ratio": self.ratio(b),
+                "tree": self._tree_label(b),
+            }
             for b in sizes
         }
 

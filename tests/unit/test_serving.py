@@ -511,3 +511,41 @@ def test_load_requests_carry_a_seed_unless_told_not_to():
     assert asyncio.run(run(BenchConfig()))[2] == 1 and bodies[-1]["seed"] == 7
     asyncio.run(run(BenchConfig(seeded_requests=False)))
     assert "seed" not in bodies[-1] and bodies[-1]["temperature"] == 1.0
+
+
+def test_adaptive_policy_compares_adjacent_steps_in_pairs():
+    """The policy's ratio comes only from two adjacent pure steps of different modes with the same rows, never
+    from a drafting step that follows AR steps (it also feeds the draft what it skipped); the plan decides until a
+    bucket has a ratio, and the other mode is probed for PROBE_STEPS steps now and then."""
+    from types import SimpleNamespace
+
+    from resispec.serving.scheduler import PROBE_STEPS, Scheduler
+
+    batched = SimpleNamespace(draft=object(), rows=[], shape=[3])
+    engine = SimpleNamespace(batched=batched, trees_by_batch={2: None})
+    sched = Scheduler(engine, max_batch_size=4, speculation="auto")
+    try:
+        assert sched._choose(4) is True  # no ratio, no plan against it: draft, and probe AR next
+        assert [sched._choose(4) for _ in range(PROBE_STEPS)] == [False] * PROBE_STEPS
+        assert sched._choose(4) is True
+        assert sched._choose(2) is False  # the plan says no speculation at 2 rows
+
+        def step(mode, cost, rows):
+            sched._measure((mode, 4), cost, rows)
+            sched._steps += 1
+
+        step("spec", 1.0, 4)
+        step("ar", 2.0, 4)  # adjacent, same rows: a pair
+        assert sched.ratio(4) == 0.5
+        step("spec", 0.1, 4)  # right after AR: carries the draft's catch-up, never paired
+        step("ar", 9.0, 4)  # its neighbour is that step: no pair either
+        step("spec", 1.0, 3)
+        step("ar", 1.0, 4)  # different rows
+        sched._steps += 1  # a mixed step in between
+        step("spec", 1.0, 4)
+        assert list(sched.ratios[4]) == [0.5]
+        sched.ratios[4].extend([3.0, 3.0])
+        assert sched.ratio(4) == 3.0 and sched.cost_table()[4]["ratio"] == 3.0
+        assert sched._choose(4) is False  # AR is cheaper per token now
+    finally:
+        sched.close()
