@@ -9,10 +9,11 @@ Paths a request can take:
 
 Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
 decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
-scheduler compares the two modes in PAIRS: two adjacent steps, one of each mode, with the same rows, give one ratio
+scheduler compares the two modes in PAIRS: two adjacent steps, one of each mode, whose row counts differ by at most
+one (one admission per step boundary; while the batch fills or drains, equal counts are rare), give one ratio
 of seconds per emitted token (drafting / autoregressive); per batch-size bucket (powers of two) it drafts while the
-median of the last COST_WINDOW ratios is below 1. Until a bucket has a ratio the planner's plan decides (drafting
-unless it planned none there). To measure, the preferred mode is left for PROBE_STEPS steps, every 4th step until
+median of the last COST_WINDOW ratios is below 1. Until a bucket has a ratio, the nearest bucket's ratio decides,
+and before any, the planner's plan (drafting unless it planned none there). To measure, the preferred mode is left for PROBE_STEPS steps, every 4th step until
 the bucket's first ratio and every EXPLORE_EVERY-th step after. A drafting step right after autoregressive ones
 also feeds the draft the tokens it skipped, so it is never paired. (Costs of the two modes measured at different
 moments were compared before: a batch of 9 rows and one of 16 share a bucket, and the mode measured with more rows
@@ -316,8 +317,13 @@ class Scheduler:
         if self.speculation != "auto":
             return self.speculation == "always"
         steps = self.steps_at[size] = self.steps_at.get(size, 0) + 1
-        ratio = self.ratio(size)
-        preferred = ratio < 1.0 if ratio is not None else not self._plan_prefers_ar(size)
+        ratio, near = self.ratio(size), self._nearest_ratio(size)
+        if ratio is not None:
+            preferred = ratio < 1.0
+        elif near is not None:  # the closest measured batch size says more than the plan
+            preferred = near < 1.0
+        else:
+            preferred = not self._plan_prefers_ar(size)
         left = self._probing.get(size, 0)
         if left:
             self._probing[size] = left - 1
@@ -335,7 +341,8 @@ class Scheduler:
         if (
             prev is not None
             and prev[3] == self._steps - 1
-            and prev[1] == rows
+            and _bucket(prev[1]) == _bucket(rows)
+            and abs(prev[1] - rows) <= 1
             and prev[0] != mode
             and not after_ar
             and not prev[4]
@@ -343,6 +350,13 @@ class Scheduler:
             spec, ar = (seconds_per_token, prev[2]) if mode == "spec" else (prev[2], seconds_per_token)
             self.ratios.setdefault(size, deque(maxlen=COST_WINDOW)).append(spec / ar)
         self._prev = (mode, rows, seconds_per_token, self._steps, after_ar)
+
+    def _nearest_ratio(self, size: int) -> float | None:
+        """The ratio of the measured bucket closest to `size` (in powers of two; the larger on a tie)."""
+        measured = [b for b in self.ratios if self.ratios[b]]
+        if not measured:
+            return None
+        return self.ratio(min(measured, key=lambda b: (abs(b.bit_length() - size.bit_length()), -b)))
 
     def ratio(self, size: int) -> float | None:
         """Median paired drafting / AR cost per token at this batch-size bucket; None before the first pair."""

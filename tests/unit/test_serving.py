@@ -514,9 +514,10 @@ def test_load_requests_carry_a_seed_unless_told_not_to():
 
 
 def test_adaptive_policy_compares_adjacent_steps_in_pairs():
-    """The policy's ratio comes only from two adjacent pure steps of different modes with the same rows, never
+    """The policy's ratio comes only from two adjacent pure steps of different modes with (almost) the same rows, never
     from a drafting step that follows AR steps (it also feeds the draft what it skipped); the plan decides until a
     bucket has a ratio, and the other mode is probed for PROBE_STEPS steps now and then."""
+    from collections import deque
     from types import SimpleNamespace
 
     from resispec.serving.scheduler import PROBE_STEPS, Scheduler
@@ -539,13 +540,19 @@ def test_adaptive_policy_compares_adjacent_steps_in_pairs():
         assert sched.ratio(4) == 0.5
         step("spec", 0.1, 4)  # right after AR: carries the draft's catch-up, never paired
         step("ar", 9.0, 4)  # its neighbour is that step: no pair either
-        step("spec", 1.0, 3)
-        step("ar", 1.0, 4)  # different rows
+        step("spec", 1.0, 2)
+        step("ar", 1.0, 4)  # rows differ by more than one
         sched._steps += 1  # a mixed step in between
         step("spec", 1.0, 4)
         assert list(sched.ratios[4]) == [0.5]
         sched.ratios[4].extend([3.0, 3.0])
         assert sched.ratio(4) == 3.0 and sched.cost_table()[4]["ratio"] == 3.0
         assert sched._choose(4) is False  # AR is cheaper per token now
+        assert (
+            sched._choose(8) is False and sched._choose(16) is False
+        )  # unmeasured: the nearest bucket decides
+        sched.ratios[16] = deque([0.5])
+        sched._probing.clear()  # (the _choose(8) above started a probe of the other mode)
+        assert sched._nearest_ratio(8) == 0.5 and sched._choose(8) is True  # a tie: the larger bucket
     finally:
         sched.close()
