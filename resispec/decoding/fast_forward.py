@@ -17,8 +17,8 @@ Exactness: the same math as the HF forward in the same dtype. Logits differ from
 and cache contents to HF's on every path (prefill, one token, tree mask, ragged batch, GQA, biases, q/k norms).
 
 Supported: `model_type` llama, mistral, qwen2, qwen3 with SiLU MLPs and full attention (what `new_cache` accepts).
-Anything else (peft wrappers, other architectures, torch.compile'd modules) runs the HF forward: `fast_forward`
-returns the model itself. On CUDA the W @ x^T trick is off (cuBLAS has no such cliff) and the rest still applies.
+Anything else (peft wrappers or LoRA-injected layers, quantized linears, other architectures, torch.compile'd
+modules) runs the HF forward: `fast_forward` returns the model itself. On CUDA the W @ x^T trick is off (cuBLAS has no such cliff) and the rest still applies.
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ def _unsupported_reason(model) -> str | None:
             return "attention modules differ from Llama's"
         if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
             return "MLP modules differ from Llama's"
+        projections = [getattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projections += [getattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")]
+        if any(type(p) is not torch.nn.Linear for p in projections):  # e.g. peft's LoRA layers: their delta
+            return "a projection is not a plain nn.Linear (LoRA-injected or quantized)"
     return None
 
 

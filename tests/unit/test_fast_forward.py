@@ -141,6 +141,14 @@ def test_unsupported_models_run_the_hf_forward():
     assert fast_forward(gpt2) is gpt2
     with pytest.raises(ValueError, match="no fast forward"):
         FastCausalLM(gelu)
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(
+        micro_llama(32, 1, VOCAB, seed=1), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    )
+    assert fast_forward(lora) is lora  # the wrapper
+    inner = lora.base_model.model
+    assert fast_forward(inner) is inner  # the LoRA-injected model: its q/v deltas live outside .weight
 
 
 @torch.inference_mode()
