@@ -71,7 +71,8 @@ def fast_forward(model):
     fast = getattr(model, "_resispec_fast_forward", None)
     if fast is None:
         fast = FastCausalLM(model) if _unsupported_reason(model) is None else model
-        model._resispec_fast_forward = fast
+        # past nn.Module.__setattr__: the model itself must not become its own submodule (state_dict, .to())
+        object.__setattr__(model, "_resispec_fast_forward", fast)
     return fast
 
 

@@ -134,7 +134,12 @@ def test_ragged_batch_with_row_removal_equals_hf():
 
 def test_unsupported_models_run_the_hf_forward():
     gelu = micro_llama(32, 1, VOCAB, seed=0, hidden_act="gelu")
-    assert fast_forward(gelu) is gelu
+    assert fast_forward(gelu) is gelu and fast_forward(gelu) is gelu
+    assert gelu not in list(gelu.children())  # the cached answer is not registered as a submodule
+    assert (
+        gelu.state_dict().keys() == micro_llama(32, 1, VOCAB, seed=0, hidden_act="gelu").state_dict().keys()
+    )
+    gelu.to(torch.float64)  # .to() walks the children: no recursion
     gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)
     )
