@@ -13,6 +13,8 @@ import torch
 
 from resispec.decoding.config import DEFAULT_TREE, DecodeConfig
 from resispec.decoding.planner import (
+    BATCH_NODE_GRID,
+    NODE_GRID,
     CostModel,
     Planner,
     calibrate_alpha,
@@ -165,8 +167,8 @@ def test_planner_choose_on_micro_models(micro_pair, temperature):
 
 
 def test_planner_by_batch_size_measures_each_size(micro_pair):
-    """One calibration, forward tables per batch size (a batch of 4 feeds 4 rows, so it costs more than one
-    row)."""
+    """One calibration, forward tables per batch size (times are not compared: on micro models the fast forward
+    takes well under a millisecond and a shared machine's noise decides their order)."""
     target, draft = micro_pair
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 64, (6,), generator=gen).tolist() for _ in range(2)]
@@ -176,8 +178,8 @@ def test_planner_by_batch_size_measures_each_size(micro_pair):
         one, four = planner.cost_for(draft, 1), planner.cost_for(draft, 4)
     assert sorted(plans) == [1, 4]
     assert plans[1].alpha == plans[4].alpha  # acceptance is per row: one calibration
-    assert set(four.target_ms) <= set(one.target_ms)  # the shorter grid at batch > 1
-    assert four.target(8) > one.target(1)  # 4 rows x 8 tokens cost more than 1 token
+    assert set(four.target_ms) == set(BATCH_NODE_GRID) and set(one.target_ms) == set(NODE_GRID)
+    assert all(ms > 0 for table in (one.target_ms, four.target_ms, four.draft_ms) for ms in table.values())
     for plan in plans.values():
         assert plan.tree in candidate_trees(max_branch=max(plan.alpha)) and plan.step_ms > 0
 
