@@ -213,11 +213,17 @@ def measure_overhead(
     kwargs = {**sampling, "max_new_tokens": max_new_tokens, "generator": torch.Generator().manual_seed(0)}
     dec.generate(ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
     stats = dec.generate(ids, **kwargs).stats
-    steps = max(stats.num_drafts, 1)
+    return _beyond_prediction(1e3 * stats.total_seconds / max(stats.num_drafts, 1), cost, tree, alpha)
+
+
+def _beyond_prediction(
+    step_ms: float, cost: CostModel, tree: Sequence[int], alpha: dict[int, float] | None
+) -> float:
+    """A measured step's ms beyond what `cost` predicts for its forwards (and, given alpha, its verification)."""
     predicted = CostModel(cost.target_ms, cost.draft_ms).step_ms(list(tree))
     if alpha is not None:
         predicted += cost.verify_cost(list(tree), alpha)
-    return max(1e3 * stats.total_seconds / steps - predicted, 0.0)
+    return max(step_ms - predicted, 0.0)
 
 
 @torch.inference_mode()
@@ -254,11 +260,7 @@ def measure_batch_overhead(
     t0 = time.perf_counter()
     for _ in range(steps):
         dec.step()
-    per_step = 1e3 * (time.perf_counter() - t0) / steps
-    predicted = CostModel(cost.target_ms, cost.draft_ms).step_ms(list(tree))
-    if alpha is not None:
-        predicted += cost.verify_cost(list(tree), alpha)
-    return max(per_step - predicted, 0.0)
+    return _beyond_prediction(1e3 * (time.perf_counter() - t0) / steps, cost, tree, alpha)
 
 
 @torch.inference_mode()

@@ -9,7 +9,7 @@ import torch
 from resispec.decoding import SpeculativeDecoder, TokenizerMismatchError
 from resispec.decoding.kv_cache import cache_length, forward_logits, new_cache
 from resispec.verify import VERIFIERS
-from tests.unit.test_decoding_helpers import micro_llama, noisy_copy, single_thread
+from tests.unit.test_decoding_helpers import micro_arch, micro_llama, noisy_copy, single_thread
 
 VOCAB = 96
 SHAPES = [[1, 1, 1, 1], [4, 2, 1], [3, 3, 3], [2, 2, 2, 2]]
@@ -177,29 +177,7 @@ class AngleTokenizer:
 @pytest.mark.parametrize("arch", ["Qwen2", "Qwen3", "Mistral"])
 def test_other_architectures_greedy_identity(arch):
     """The same cache/mask path serves Qwen2/3 and Mistral (sliding window off: the tree cache is full-attention)."""
-    import transformers
-
-    config_cls = getattr(transformers, f"{arch}Config")
-    model_cls = getattr(transformers, f"{arch}ForCausalLM")
-    models = []
-    for seed, hidden in ((0, 64), (1, 32)):
-        torch.manual_seed(seed)
-        cfg = config_cls(
-            vocab_size=VOCAB,
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            sliding_window=None,
-            eos_token_id=None,
-        )
-        model = model_cls(cfg).eval()
-        with torch.no_grad():
-            model.get_input_embeddings().weight.mul_(8)
-            model.get_output_embeddings().weight.mul_(8)
-        models.append(model)
-    target, draft = models
+    target, draft = (micro_arch(arch, hidden, VOCAB, seed) for seed, hidden in ((0, 64), (1, 32)))
     ids = torch.tensor([[5, 17, 33, 2]])
     hf = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     for greedy_topk in (True, False):

@@ -34,6 +34,32 @@ def micro_llama(
     return model
 
 
+def micro_arch(arch: str, hidden: int, vocab: int, seed: int, **config):
+    """A random `arch` (Qwen2, Qwen3, Mistral, ...) causal LM, 2 layers, sliding window off, embedding and head
+    scaled by 8 like micro_llama's. `config` overrides config fields."""
+    import transformers
+
+    torch.manual_seed(seed)
+    fields = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=None,
+        eos_token_id=None,
+    )
+    fields.update(config)
+    model = getattr(transformers, f"{arch}ForCausalLM")(
+        getattr(transformers, f"{arch}Config")(**fields)
+    ).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(8)
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
 def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:
     """A draft that agrees with `model` often but not always: its weights plus `noise` * std Gaussian noise."""
     draft = copy.deepcopy(model)

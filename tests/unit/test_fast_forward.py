@@ -19,7 +19,7 @@ from resispec.decoding.kv_cache import (
     select_cache_rows,
     tree_attention_mask,
 )
-from tests.unit.test_decoding_helpers import micro_llama, single_thread
+from tests.unit.test_decoding_helpers import micro_arch, micro_llama, single_thread
 
 VOCAB = 96
 TOL = dict(atol=2e-4, rtol=2e-4)
@@ -34,23 +34,7 @@ def _one_thread():
 def _model(arch: str, seed: int = 0, **extra):
     if arch == "Llama":
         return micro_llama(64, 2, VOCAB, seed=seed, **extra)
-    torch.manual_seed(seed)
-    cfg = getattr(transformers, f"{arch}Config")(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=None,
-        eos_token_id=None,
-        **extra,
-    )
-    model = getattr(transformers, f"{arch}ForCausalLM")(cfg).eval()
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(8)
-        model.get_output_embeddings().weight.mul_(8)
-    return model
+    return micro_arch(arch, 64, VOCAB, seed, **extra)
 
 
 def _same_caches(a, b) -> None:
