@@ -165,13 +165,6 @@ class FastCausalLM:
                 )
             )
 
-    def parameters(self):
-        return self.model.parameters()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
     def __call__(
         self,
         input_ids: torch.Tensor,  # [B, Q]

@@ -13,11 +13,12 @@ scheduler compares the two modes in PAIRS: two adjacent steps, one of each mode,
 one (one admission per step boundary; while the batch fills or drains, equal counts are rare), give one ratio
 of seconds per emitted token (drafting / autoregressive); per batch-size bucket (powers of two) it drafts while the
 median of the last COST_WINDOW ratios is below 1. Until a bucket has a ratio, the nearest bucket's ratio decides,
-and before any, the planner's plan (drafting unless it planned none there). To measure, the preferred mode is left for PROBE_STEPS steps, every 4th step until
-the bucket's first ratio and every EXPLORE_EVERY-th step after. A drafting step right after autoregressive ones
-also feeds the draft the tokens it skipped, so it is never paired. (Costs of the two modes measured at different
+and before any, the planner's plan (drafting unless it planned none there). To measure, the preferred mode is
+left for PROBE_STEPS steps, every 4th step until the bucket's first ratio and every EXPLORE_EVERY-th step after.
+A drafting step right after autoregressive ones also feeds the draft the tokens it skipped, so it is never paired. (Costs of the two modes measured at different
 moments were compared before: a batch of 9 rows and one of 16 share a bucket, and the mode measured with more rows
-looked cheaper per token; at T = 1 the server drafted at 8-16 clients where batched AR was 10-26% faster.)
+looked cheaper per token. Measured against that design at T = 1, 8 and 16 clients: no difference beyond the
+machine's noise, recipes/vllm/README.md.)
 `cost_table()` shows the per-mode medians and the ratio. Seeded sampled rows always draft (unless `never`), so a
 seeded request's tokens never depend on its neighbours or on the load.
 
@@ -35,7 +36,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from resispec.serving.logprobs import start_scoring
 
@@ -72,6 +73,16 @@ class _Task:
         if self.scorer is not None:
             self.job.logprobs.extend(self.scorer.add(chunk))
         self.job._put(list(chunk))
+
+
+class _Step(NamedTuple):
+    """A pure batch step, as the adaptive policy pairs them."""
+
+    mode: str  # "spec" | "ar"
+    rows: int
+    cost: float  # seconds per emitted token
+    index: int  # the scheduler's step count when it ran
+    after_ar: bool  # a drafting step right after AR steps (it also fed the draft what it skipped)
 
 
 def _bucket(size: int) -> int:
@@ -111,7 +122,7 @@ class Scheduler:
         self.steps_at: dict[int, int] = {}  # batch size -> steps taken
         self._probing: dict[int, int] = {}  # batch size -> steps of the other mode still to take
         self._steps = 0  # batch steps taken
-        self._prev: tuple | None = None  # the last pure step: (mode, rows, seconds per token, step, after AR)
+        self._prev: _Step | None = None  # the last pure step
         self.peak_running = 0  # most requests decoded together so far
         self.waiting: deque = deque()
         self.tasks: list[_Task] = []
@@ -337,19 +348,19 @@ class Scheduler:
         self.samples.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds_per_token)
         mode, size = key
         prev = self._prev
-        after_ar = mode == "spec" and prev is not None and prev[0] == "ar"
+        after_ar = mode == "spec" and prev is not None and prev.mode == "ar"
         if (
             prev is not None
-            and prev[3] == self._steps - 1
-            and _bucket(prev[1]) == _bucket(rows)
-            and abs(prev[1] - rows) <= 1
-            and prev[0] != mode
+            and prev.index == self._steps - 1
+            and _bucket(prev.rows) == _bucket(rows)
+            and abs(prev.rows - rows) <= 1
+            and prev.mode != mode
             and not after_ar
-            and not prev[4]
+            and not prev.after_ar
         ):
-            spec, ar = (seconds_per_token, prev[2]) if mode == "spec" else (prev[2], seconds_per_token)
+            spec, ar = (seconds_per_token, prev.cost) if mode == "spec" else (prev.cost, seconds_per_token)
             self.ratios.setdefault(size, deque(maxlen=COST_WINDOW)).append(spec / ar)
-        self._prev = (mode, rows, seconds_per_token, self._steps, after_ar)
+        self._prev = _Step(mode, rows, seconds_per_token, self._steps, after_ar)
 
     def _nearest_ratio(self, size: int) -> float | None:
         """The ratio of the measured bucket closest to `size` (in powers of two; the larger on a tie)."""

@@ -45,22 +45,12 @@ def off_main_thread(fn, *args, **kwargs):
     decode thread) ran 2.5x slower on this 2-core machine (1.9 ms -> 4.6-5.0 ms for the same products; the tiny
     world's server fell from 413 to 184 tok/s at 8 clients), while work done in a thread that has exited leaves
     no such trace. Measured with torch 2.13 (CPU wheel); `tests/unit/test_serving.py` checks the plumbing."""
-    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # handed to the caller
-            out["error"] = exc
-
-    worker = threading.Thread(target=run, name="resispec-setup")
-    worker.start()
-    worker.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    with ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="resispec-setup"
+    ) as pool:  # its thread exits on leaving
+        return pool.submit(fn, *args, **kwargs).result()
 
 
 def context_length(target, draft, server: ServerConfig) -> int:
