@@ -383,7 +383,8 @@ def compare_in_process(
     lines = [
         f"| {label} | {b} | {c['tree'] if c['spec'] is not None else '-'} | "
         + " | ".join("-" if c[m] is None else f"{1000 * c[m]:.2f}" for m in ("spec", "ar"))
-        + f" | {'-' if c.get('ratio') is None else format(c['ratio'], '.2f')} |"
+        + f" | {'-' if c.get('ratio') is None else format(c['ratio'], '.2f')}"
+        + f" | {'-' if c.get('drafted') is None else format(c['drafted'], '.0%')} |"
         for label, table in costs.items()
         for b, c in table.items()
     ]
@@ -398,8 +399,9 @@ def compare_in_process(
             "",
             f"Measured cost per emitted token (ms, median of recent steps) by batch size; {planned}:",
             "",
-            "| server | batch size | tree drafted | drafting | autoregressive | paired ratio (drafting / AR) |",
-            "|---|---|---|---|---|---|",
+            "| server | batch size | tree drafted | drafting | autoregressive | model ratio (drafting / AR) "
+            "| steps drafted |",
+            "|---|---|---|---|---|---|---|",
             *lines,
         ]
     )

@@ -9,18 +9,21 @@ Paths a request can take:
 
 Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
 decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
-scheduler compares the two modes in PAIRS: two adjacent steps, one of each mode, whose row counts differ by at most
-one (one admission per step boundary; while the batch fills or drains, equal counts are rare), give one ratio
-of seconds per emitted token (drafting / autoregressive); per batch-size bucket (powers of two) it drafts while the
-median of the last COST_WINDOW ratios is below 1. Until a bucket has a ratio, the nearest bucket's ratio decides,
-and before any, the planner's plan (drafting unless it planned none there). To measure, the preferred mode is
-left for PROBE_STEPS steps, every 4th step until the bucket's first ratio and every EXPLORE_EVERY-th step after.
-A drafting step right after autoregressive ones also feeds the draft the tokens it skipped, so it is never paired. (Costs of the two modes measured at different
-moments were compared before: a batch of 9 rows and one of 16 share a bucket, and the mode measured with more rows
-looked cheaper per token. Measured against that design at T = 1, 8 and 16 clients: no difference beyond the
-machine's noise, recipes/vllm/README.md.)
-`cost_table()` shows the per-mode medians and the ratio. Seeded sampled rows always draft (unless `never`), so a
-seeded request's tokens never depend on its neighbours or on the load.
+scheduler keeps an online cost model of each mode (`StepCostModel`): the seconds of its recent pure steps as a
+line in the number of rows (least squares on the per-row-count medians, so one slow step or one crowded moment
+does not steer it) and the tokens each row emits per step. It drafts at R rows when the model predicts fewer
+seconds per emitted token for drafting than for autoregressive steps at R rows (from AR, at least 5% fewer:
+the drafting step after AR steps feeds the draft every token it skipped, so a flip back and forth costs). One model per mode uses every
+pure step at every batch size, so a decision at 9 rows is not taken on steps measured at 16 (per-bucket medians
+did that), nor on one or two adjacent steps whose rows differ (the per-bucket pairs of the design before: a row
+that finishes after a drafting step makes the next AR step look dearer per token; at T = 1 on the tiny world that
+kept drafting at 8-16 clients, 0.74-0.91x of batched AR). Until both modes have MIN_SAMPLES steps the planner's
+plan decides (drafting unless it planned none at that batch size); to measure, the preferred mode is left for
+PROBE_STEPS steps, every 4th step until the model is ready and every EXPLORE_EVERY-th step after. A drafting step
+right after steps with autoregressive rows also feeds the draft the tokens it skipped, so it is not measured.
+`cost_table()` shows per batch-size bucket the measured medians per mode, and the model's ratio at the bucket's
+size. Seeded sampled rows always draft (unless `never`), so a seeded request's tokens never depend on its
+neighbours or on the load.
 
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
 (running + 1) x the longest worst-case row fits (prompt + max_tokens; on the speculative batch with room for the
@@ -36,15 +39,23 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from resispec.serving.logprobs import start_scoring
 
 log = logging.getLogger(__name__)
 
 EXPLORE_EVERY = 64  # every so many steps at a batch size, the other mode is measured again
-PROBE_STEPS = 2  # steps of the other mode per measurement (the first drafting one pays the draft's catch-up)
-COST_WINDOW = 32  # recent per-token costs (per mode) and spec/AR ratios kept per batch-size bucket
+SWITCH_MARGIN = (
+    0.95  # from AR to drafting only below this ratio (each switch feeds the draft what it skipped)
+)
+CLEAR_MARGIN = 1.5  # ... and 4x less often while the model's ratio is beyond this factor either way
+WARMUP_EVERY = 6  # the probing period before the model is ready
+PROBE_STEPS = 3  # steps of the other mode per measurement (the first drafting one pays the draft's catch-up)
+COST_WINDOW = 32  # recent per-token costs per (mode, batch-size bucket), for cost_table()
+MODEL_WINDOW = 96  # recent pure steps per mode that the cost model fits
+MIN_SAMPLES = 3  # pure steps of each mode before the model decides instead of the plan
+LOG_EVERY = 512  # batch steps between two INFO lines of the policy's state
 SPECULATION = ("auto", "always", "never")  # lone requests: by measured cost, always speculative, never
 
 
@@ -75,14 +86,42 @@ class _Task:
         self.job._put(list(chunk))
 
 
-class _Step(NamedTuple):
-    """A pure batch step, as the adaptive policy pairs them."""
+class StepCostModel:
+    """One mode's recent pure steps (rows, seconds, emitted tokens) -> predicted seconds per emitted token at any
+    number of rows: the step's seconds as a line in the rows (weighted least squares on the median seconds at each
+    row count seen, slope at least 0), over the tokens the rows emit per step (their mean per row)."""
 
-    mode: str  # "spec" | "ar"
-    rows: int
-    cost: float  # seconds per emitted token
-    index: int  # the scheduler's step count when it ran
-    after_ar: bool  # a drafting step right after AR steps (it also fed the draft what it skipped)
+    def __init__(self, window: int = MODEL_WINDOW) -> None:
+        self.steps: deque = deque(maxlen=window)
+        self._fit: tuple[float, float, float] | None = None
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def add(self, rows: int, seconds: float, tokens: int) -> None:
+        self.steps.append((rows, seconds, tokens))
+        self._fit = None
+
+    def fit(self) -> tuple[float, float, float]:
+        """(intercept s, slope s per row, tokens per row per step)."""
+        if self._fit is None:
+            by_rows: dict[int, list[float]] = {}
+            for rows, seconds, _ in self.steps:
+                by_rows.setdefault(rows, []).append(seconds)
+            pts = [(r, sorted(v)[len(v) // 2], len(v)) for r, v in by_rows.items()]
+            n = sum(w for *_, w in pts)
+            mean_r = sum(r * w for r, _, w in pts) / n
+            mean_t = sum(t * w for _, t, w in pts) / n
+            var = sum(w * (r - mean_r) ** 2 for r, _, w in pts)
+            slope = max(0.0, sum(w * (r - mean_r) * (t - mean_t) for r, t, w in pts) / var) if var else 0.0
+            per_row = sum(k for *_, k in self.steps) / sum(r for r, *_ in self.steps)
+            self._fit = (mean_t - slope * mean_r, slope, per_row)
+        return self._fit
+
+    def per_token(self, rows: int) -> float:
+        """Predicted seconds per emitted token of a step with `rows` rows."""
+        intercept, slope, per_row = self.fit()
+        return max(intercept + slope * rows, 1e-9) / (rows * max(per_row, 1e-9))
 
 
 def _bucket(size: int) -> int:
@@ -118,11 +157,18 @@ class Scheduler:
         # batch-size bucket -> planned tree, None = do not speculate (decode.tree=auto); empty = the engine's tree
         self.trees_by_batch = getattr(engine, "trees_by_batch", None) or {}
         self.samples: dict[tuple[str, int], deque] = {}  # (mode, batch size) -> seconds per token
-        self.ratios: dict[int, deque] = {}  # batch size -> paired drafting / AR seconds per token
+        # "ar" or the drafted tree (True = the engine's) -> the mode's cost model
+        self.models: dict[Any, StepCostModel] = {}
         self.steps_at: dict[int, int] = {}  # batch size -> steps taken
+        self.step_counts: dict[int, list[int]] = {}  # batch size -> [steps, steps in which every row drafted]
+        self._preferred: dict[
+            int, bool
+        ] = {}  # batch size -> the mode the policy last preferred (True: draft)
         self._probing: dict[int, int] = {}  # batch size -> steps of the other mode still to take
         self._steps = 0  # batch steps taken
-        self._prev: _Step | None = None  # the last pure step
+        self._ar_rows_before = (
+            False  # the last step had rows that did not draft (the next drafting step catches up)
+        )
         self.peak_running = 0  # most requests decoded together so far
         self.waiting: deque = deque()
         self.tasks: list[_Task] = []
@@ -293,86 +339,100 @@ class Scheduler:
         """One step of the batch; on the speculative batch, each row drafts or not as the policy says."""
         if not self.spec_batch:
             return self.batched.step()
-        size = _bucket(len(self.batched.rows))
-        mode = self._choose(size)
+        rows_before = len(self.batched.rows)
+        size = _bucket(rows_before)
+        mode = self._choose(rows_before)
         drafting = self.tree_at(size) if mode else False  # the tree rows draft this step (False: AR step)
         # seeded sampled rows always draft the engine's own tree: their tokens never depend on the load
         flags = [
             True if self.speculation != "never" and _seeded(rows[id(r)].job.params) else drafting
             for r in self.batched.rows
         ]
-        rows_before = len(self.batched.rows)
         t0 = time.perf_counter()
         out = self.batched.step(flags)
+        seconds = time.perf_counter() - t0
         tokens = sum(len(chunk) for _, chunk in out)
-        pure = bool(tokens) and all(f is drafting for f in flags)
-        if pure:  # a pure step measures its mode
-            self._measure(("spec" if mode else "ar", size), (time.perf_counter() - t0) / tokens, rows_before)
-        else:
-            self._prev = None
+        catching_up = self._ar_rows_before and bool(drafting)
+        if tokens and all(f is drafting for f in flags) and not catching_up:  # a pure step measures its mode
+            self._measure(drafting, rows_before, seconds, tokens)
+        self._ar_rows_before = not all(flags)
+        counts = self.step_counts.setdefault(size, [0, 0])
+        counts[0] += 1
+        counts[1] += all(flags)
         self._steps += 1
+        if self._steps % LOG_EVERY == 0 and self.speculation == "auto":
+            log.info("adaptive speculation, %d steps: %s", self._steps, self._policy_line())
         return out
+
+    def _policy_line(self) -> str:
+        """bucket: drafted share of its steps, the model's ratio there (drafting / AR seconds per token)."""
+        parts = []
+        for size, (steps, drafted) in sorted(self.step_counts.items()):
+            ratio = self.predicted_ratio(size)
+            share = drafted / steps
+            parts.append(
+                f"{size} rows: drafted {share:.0%}, ratio {'-' if ratio is None else format(ratio, '.2f')}"
+            )
+        return "; ".join(parts)
 
     def tree_at(self, size: int):
         """The tree speculative steps draft at this batch-size bucket: the planner's tree for the bucket when the
         engine was planned per batch size (`trees_by_batch`, decode.tree=auto), else True (the engine's tree).
-        Where the plan says not to speculate, exploring steps draft the engine's tree."""
-        planned = self.trees_by_batch.get(size)
-        return tuple(planned) if planned else True
+        Where the plan says not to speculate, exploring steps draft a one-token chain, the cheapest speculation (the
+        engine's batch-1 tree may be far dearer at many rows, and a probe's cost is paid whatever it shows)."""
+        if size not in self.trees_by_batch:
+            return True
+        planned = self.trees_by_batch[size]
+        return tuple(planned) if planned else (1,)
 
     def _plan_prefers_ar(self, size: int) -> bool:
         return size in self.trees_by_batch and not self.trees_by_batch[size]
 
-    def _choose(self, size: int) -> bool:
-        """Draft this step? The adaptive policy (module docstring)."""
+    def _choose(self, rows: int) -> bool:
+        """Draft this step, with `rows` rows? The adaptive policy (module docstring)."""
         if self.speculation != "auto":
             return self.speculation == "always"
+        size = _bucket(rows)
         steps = self.steps_at[size] = self.steps_at.get(size, 0) + 1
-        ratio, near = self.ratio(size), self._nearest_ratio(size)
-        if ratio is not None:
-            preferred = ratio < 1.0
-        elif near is not None:  # the closest measured batch size says more than the plan
-            preferred = near < 1.0
-        else:
+        ratio = self.predicted_ratio(rows)
+        if ratio is None:
             preferred = not self._plan_prefers_ar(size)
+        else:  # hysteresis: near a ratio of 1 the noise would flip the mode, and each flip has a cost
+            drafting = self._preferred.get(size, not self._plan_prefers_ar(size))
+            preferred = ratio < (1.0 if drafting else SWITCH_MARGIN)
+        self._preferred[size] = preferred
         left = self._probing.get(size, 0)
         if left:
             self._probing[size] = left - 1
             return not preferred
-        if steps % (EXPLORE_EVERY if ratio is not None else 4) == 1:  # the other mode, from the next step
+        if ratio is None:
+            period = WARMUP_EVERY
+        else:  # a clear answer is re-checked less often (a drafting probe can cost 2-3 AR steps)
+            period = EXPLORE_EVERY * (4 if max(ratio, 1 / ratio) > CLEAR_MARGIN else 1)
+        if steps % period == 1:  # the other mode, from the next step
             self._probing[size] = PROBE_STEPS
         return preferred
 
-    def _measure(self, key: tuple[str, int], seconds_per_token: float, rows: int) -> None:
-        """Record a pure step's cost, and a ratio when it pairs with the step just before (module docstring)."""
-        self.samples.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds_per_token)
-        mode, size = key
-        prev = self._prev
-        after_ar = mode == "spec" and prev is not None and prev.mode == "ar"
-        if (
-            prev is not None
-            and prev.index == self._steps - 1
-            and _bucket(prev.rows) == _bucket(rows)
-            and abs(prev.rows - rows) <= 1
-            and prev.mode != mode
-            and not after_ar
-            and not prev.after_ar
-        ):
-            spec, ar = (seconds_per_token, prev.cost) if mode == "spec" else (prev.cost, seconds_per_token)
-            self.ratios.setdefault(size, deque(maxlen=COST_WINDOW)).append(spec / ar)
-        self._prev = _Step(mode, rows, seconds_per_token, self._steps, after_ar)
+    def _measure(self, drafted, rows: int, seconds: float, tokens: int) -> None:
+        """Record a pure step: `drafted` is False for an AR step, else the tree every row drafted."""
+        mode = "spec" if drafted else "ar"
+        self.samples.setdefault((mode, _bucket(rows)), deque(maxlen=COST_WINDOW)).append(seconds / tokens)
+        self.models.setdefault(self._model_key(drafted), StepCostModel()).add(rows, seconds, tokens)
 
-    def _nearest_ratio(self, size: int) -> float | None:
-        """The ratio of the measured bucket closest to `size` (in powers of two; the larger on a tie)."""
-        measured = [b for b in self.ratios if self.ratios[b]]
-        if not measured:
+    def _model_key(self, drafted) -> Any:
+        """The cost model of AR steps ("ar") or of drafting this tree (the engine's tree when `drafted` is True)."""
+        if not drafted:
+            return "ar"
+        return tuple(self.batched.shape) if drafted is True else tuple(drafted)
+
+    def predicted_ratio(self, rows: int) -> float | None:
+        """The cost model's drafting / AR seconds per emitted token at `rows` rows, drafting the tree of their
+        batch-size bucket; None until both modes have MIN_SAMPLES measured steps."""
+        spec = self.models.get(self._model_key(self.tree_at(_bucket(rows))))
+        ar = self.models.get("ar")
+        if spec is None or ar is None or min(len(spec), len(ar)) < MIN_SAMPLES:
             return None
-        return self.ratio(min(measured, key=lambda b: (abs(b.bit_length() - size.bit_length()), -b)))
-
-    def ratio(self, size: int) -> float | None:
-        """Median paired drafting / AR cost per token at this batch-size bucket; None before the first pair."""
-        ratios = sorted(self.ratios.get(size, ()))
-        return ratios[len(ratios) // 2] if ratios else None
+        return spec.per_token(rows) / ar.per_token(rows)
 
     def cost(self, key: tuple[str, int]) -> float | None:
         """Median seconds per emitted token of (mode "spec" | "ar", batch size) over its recent steps; None before
@@ -388,15 +448,15 @@ class Scheduler:
             b: {
                 "spec": self.cost(("spec", b)),
                 "ar": self.cost(("ar", b)),
-                "ratio": self.ratio(b),
+                "ratio": self.predicted_ratio(b),
                 "tree": self._tree_label(b),
+                "drafted": self.step_counts[b][1] / self.step_counts[b][0] if b in self.step_counts else None,
             }
             for b in sizes
         }
 
     def _tree_label(self, size: int) -> list[int]:
-        tree = self.tree_at(size)
-        return list(self.batched.shape) if tree is True else list(tree)
+        return list(self._model_key(self.tree_at(size)))
 
     def _finish(self, task: _Task, error: BaseException | None = None) -> None:
         if task in self.tasks:

@@ -513,46 +513,111 @@ def test_load_requests_carry_a_seed_unless_told_not_to():
     assert "seed" not in bodies[-1] and bodies[-1]["temperature"] == 1.0
 
 
-def test_adaptive_policy_compares_adjacent_steps_in_pairs():
-    """The policy's ratio comes only from two adjacent pure steps of different modes with (almost) the same rows, never
-    from a drafting step that follows AR steps (it also feeds the draft what it skipped); the plan decides until a
-    bucket has a ratio, and the other mode is probed for PROBE_STEPS steps now and then."""
-    from collections import deque
+def test_step_cost_model_fits_a_line_in_the_rows():
+    """Seconds per step as a line in the rows, from the median at each row count (one slow step does not move it),
+    over the tokens each row emits; a single row count gives a flat line, a falling one is clamped flat."""
+    import pytest
+
+    from resispec.serving.scheduler import StepCostModel
+
+    model = StepCostModel()
+    for rows in range(1, 9):
+        for seconds in (0.010 + 0.002 * rows, 0.010 + 0.002 * rows, 0.5):  # 0.5: a stall (GC, the machine)
+            model.add(rows, seconds, 2 * rows if seconds < 0.5 else rows)
+    intercept, slope, _ = model.fit()
+    assert intercept == pytest.approx(0.010) and slope == pytest.approx(0.002)
+    assert model.per_token(4) == pytest.approx(0.018 / (4 * model.fit()[2]))
+    flat = StepCostModel()
+    flat.add(4, 0.02, 4)
+    flat.add(4, 0.03, 4)
+    flat.add(4, 0.04, 4)
+    assert flat.fit() == (0.03, 0.0, 1.0) and flat.per_token(8) == pytest.approx(0.03 / 8)
+    falling = StepCostModel()
+    falling.add(1, 0.03, 1)
+    falling.add(2, 0.01, 2)
+    assert falling.fit()[1] == 0.0 and falling.fit()[0] == pytest.approx(0.02)
+
+
+def test_adaptive_policy_decides_by_the_cost_model():
+    """The plan decides until both modes have MIN_SAMPLES pure steps (the other mode probed every WARMUP_EVERY-th
+    step); then
+    the model's ratio at the CURRENT row count decides, and the other mode is probed every EXPLORE_EVERY steps."""
     from types import SimpleNamespace
 
-    from resispec.serving.scheduler import PROBE_STEPS, Scheduler
+    import pytest
+
+    from resispec.serving.scheduler import EXPLORE_EVERY, MIN_SAMPLES, PROBE_STEPS, Scheduler
 
     batched = SimpleNamespace(draft=object(), rows=[], shape=[3])
     engine = SimpleNamespace(batched=batched, trees_by_batch={2: None})
-    sched = Scheduler(engine, max_batch_size=4, speculation="auto")
+    sched = Scheduler(engine, max_batch_size=16, speculation="auto")
     try:
-        assert sched._choose(4) is True  # no ratio, no plan against it: draft, and probe AR next
+        assert sched._choose(4) is True  # no model, no plan against it: draft, and probe AR next
         assert [sched._choose(4) for _ in range(PROBE_STEPS)] == [False] * PROBE_STEPS
         assert sched._choose(4) is True
         assert sched._choose(2) is False  # the plan says no speculation at 2 rows
+        # AR: 8 ms + 1 ms a row, one token a row; drafting: 9 ms + 2 ms a row, 1.5 tokens a row
+        for i, rows in enumerate((3, 5, 7, 9, 11, 13, 15)):
+            sched._measure(False, rows, 0.008 + 0.001 * rows, rows)
+            assert (sched.predicted_ratio(rows) is None) == (i < MIN_SAMPLES)
+            sched._measure(True, rows, 0.009 + 0.002 * rows, 1.5 * rows)
+        for rows in (1, 4, 8, 16):  # every batch size: one line per mode, wherever it was measured
+            assert sched.predicted_ratio(rows) == pytest.approx((9 + 2 * rows) / (1.5 * (8 + rows)))
+        assert sched.tree_at(2) == (1,) and sched.predicted_ratio(2) is None  # planned none: probes draft [1]
+        assert sched.cost_table()[16]["ratio"] == pytest.approx(sched.predicted_ratio(16))
+        sched._probing.clear()
+        sched.steps_at = dict.fromkeys((1, 2, 4, 8, 16), 1)  # no probe starts below
+        assert sched._choose(1) is True  # ratio 0.81: drafting pays with one row
+        assert sched._choose(5) is True  # 0.97 at 5 rows
+        assert sched._choose(7) is False  # 1.02 at 7 rows, in the same bucket
+        assert sched._choose(5) is False  # 0.97 again, but back from AR it takes a ratio below SWITCH_MARGIN
+        assert sched._choose(1) is True
+        assert sched._choose(8) is False and sched._choose(16) is False
+        # every EXPLORE_EVERY-th step at a batch size, PROBE_STEPS of the other mode
+        sched.steps_at[16] = EXPLORE_EVERY
+        assert [sched._choose(16) for _ in range(PROBE_STEPS + 2)] == [False] + [True] * PROBE_STEPS + [False]
+        sched.predicted_ratio = lambda rows: 2.0  # a clear answer: re-checked 4x less often
+        sched.steps_at[16] = EXPLORE_EVERY
+        assert [sched._choose(16) for _ in range(2)] == [False, False]
+        sched.steps_at[16] = 4 * EXPLORE_EVERY
+        assert [sched._choose(16) for _ in range(2)] == [False, True]
+    finally:
+        sched.close()
 
-        def step(mode, cost, rows):
-            sched._measure((mode, 4), cost, rows)
-            sched._steps += 1
 
-        step("spec", 1.0, 4)
-        step("ar", 2.0, 4)  # adjacent, same rows: a pair
-        assert sched.ratio(4) == 0.5
-        step("spec", 0.1, 4)  # right after AR: carries the draft's catch-up, never paired
-        step("ar", 9.0, 4)  # its neighbour is that step: no pair either
-        step("spec", 1.0, 2)
-        step("ar", 1.0, 4)  # rows differ by more than one
-        sched._steps += 1  # a mixed step in between
-        step("spec", 1.0, 4)
-        assert list(sched.ratios[4]) == [0.5]
-        sched.ratios[4].extend([3.0, 3.0])
-        assert sched.ratio(4) == 3.0 and sched.cost_table()[4]["ratio"] == 3.0
-        assert sched._choose(4) is False  # AR is cheaper per token now
-        assert (
-            sched._choose(8) is False and sched._choose(16) is False
-        )  # unmeasured: the nearest bucket decides
-        sched.ratios[16] = deque([0.5])
-        sched._probing.clear()  # (the _choose(8) above started a probe of the other mode)
-        assert sched._nearest_ratio(8) == 0.5 and sched._choose(8) is True  # a tie: the larger bucket
+def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
+    """A drafting step after a step with AR rows feeds the draft what they skipped: not measured; nor is a step
+    where a seeded row drafted beside AR rows."""
+    from types import SimpleNamespace
+
+    from resispec.serving.scheduler import Scheduler
+
+    class Batch:
+        draft, shape = object(), [3]
+
+        def __init__(self):
+            self.rows = [object(), object()]
+
+        def step(self, flags):
+            return [(r, [7] * (2 if f else 1)) for r, f in zip(self.rows, flags, strict=True)]
+
+    batched = Batch()
+    engine = SimpleNamespace(batched=batched, trees_by_batch={})
+    sched = Scheduler(engine, max_batch_size=4, speculation="auto")
+    tasks = {
+        id(r): SimpleNamespace(job=SimpleNamespace(params=SimpleNamespace(seed=None, temperature=1.0)))
+        for r in batched.rows
+    }
+    try:
+        modes = iter([False, True, True, False, True])
+        sched._choose = lambda rows: next(modes)
+        for _ in range(3):  # AR, drafting (catch-up), drafting
+            sched._batch_step(tasks)
+        assert len(sched.models["ar"]) == 1 and len(sched.models[(3,)]) == 1
+        tasks[id(batched.rows[0])].job.params.seed = 3  # a seeded row drafts while the policy says AR
+        sched._batch_step(tasks)
+        sched._batch_step(tasks)  # all draft, but after a step with an AR row
+        assert len(sched.models["ar"]) == 1 and len(sched.models[(3,)]) == 1
+        assert sched.cost_table()[2]["drafted"] == 3 / 5  # steps in which every row drafted
     finally:
         sched.close()
