@@ -10,8 +10,7 @@ Paths a request can take:
 Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
 decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
 scheduler keeps an online cost model of each mode (`StepCostModel`): the seconds of its recent pure steps as a
-line in the number of rows (least squares on the per-row-count medians, so one slow step or one crowded moment
-does not steer it) and the tokens each row emits per step. It drafts at R rows when the model predicts fewer
+line in the number of rows (least squares) and the tokens each row emits per step. It drafts at R rows when the model predicts fewer
 seconds per emitted token for drafting than for autoregressive steps at R rows (from AR, at least 5% fewer:
 the drafting step after AR steps feeds the draft every token it skipped, so a flip back and forth costs). One model per mode uses every
 pure step at every batch size, so a decision at 9 rows is not taken on steps measured at 16 (per-bucket medians
@@ -88,8 +87,9 @@ class _Task:
 
 class StepCostModel:
     """One mode's recent pure steps (rows, seconds, emitted tokens) -> predicted seconds per emitted token at any
-    number of rows: the step's seconds as a line in the rows (weighted least squares on the median seconds at each
-    row count seen, slope at least 0), over the tokens the rows emit per step (their mean per row)."""
+    number of rows: the step's seconds as a line in the rows (least squares, slope at least 0), over the tokens
+    the rows emit per step (their mean per row). Means, not medians: the costs only one mode pays now and then
+    (the draft's prefill of a newcomer's prompt in a drafting step) are real, and a median would drop them."""
 
     def __init__(self, window: int = MODEL_WINDOW) -> None:
         self.steps: deque = deque(maxlen=window)
@@ -105,15 +105,12 @@ class StepCostModel:
     def fit(self) -> tuple[float, float, float]:
         """(intercept s, slope s per row, tokens per row per step)."""
         if self._fit is None:
-            by_rows: dict[int, list[float]] = {}
-            for rows, seconds, _ in self.steps:
-                by_rows.setdefault(rows, []).append(seconds)
-            pts = [(r, sorted(v)[len(v) // 2], len(v)) for r, v in by_rows.items()]
-            n = sum(w for *_, w in pts)
-            mean_r = sum(r * w for r, _, w in pts) / n
-            mean_t = sum(t * w for _, t, w in pts) / n
-            var = sum(w * (r - mean_r) ** 2 for r, _, w in pts)
-            slope = max(0.0, sum(w * (r - mean_r) * (t - mean_t) for r, t, w in pts) / var) if var else 0.0
+            n = len(self.steps)
+            mean_r = sum(r for r, *_ in self.steps) / n
+            mean_t = sum(t for _, t, _ in self.steps) / n
+            var = sum((r - mean_r) ** 2 for r, *_ in self.steps)
+            cov = sum((r - mean_r) * (t - mean_t) for r, t, _ in self.steps)
+            slope = max(0.0, cov / var) if var else 0.0
             per_row = sum(k for *_, k in self.steps) / sum(r for r, *_ in self.steps)
             self._fit = (mean_t - slope * mean_r, slope, per_row)
         return self._fit
