@@ -34,6 +34,7 @@ step boundary while others run, so running streams stall for at most one prefill
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -87,37 +88,40 @@ class _Task:
 
 class StepCostModel:
     """One mode's recent pure steps (rows, seconds, emitted tokens) -> predicted seconds per emitted token at any
-    number of rows: the step's seconds as a line in the rows (least squares, slope at least 0), over the tokens
-    the rows emit per step (their mean per row). Means, not medians: the costs only one mode pays now and then
+    number of rows: the step's seconds as a line in the rows (least squares weighted towards the rows asked
+    about, slope at least 0), over the tokens the rows emit per step (their mean per row). Means, not medians: the costs only one mode pays now and then
     (the draft's prefill of a newcomer's prompt in a drafting step) are real, and a median would drop them."""
 
     def __init__(self, window: int = MODEL_WINDOW) -> None:
         self.steps: deque = deque(maxlen=window)
-        self._fit: tuple[float, float, float] | None = None
+        self._fits: dict[int, tuple[float, float, float]] = {}  # rows -> fit around them, until the next step
 
     def __len__(self) -> int:
         return len(self.steps)
 
     def add(self, rows: int, seconds: float, tokens: int) -> None:
         self.steps.append((rows, seconds, tokens))
-        self._fit = None
+        self._fits.clear()
 
-    def fit(self) -> tuple[float, float, float]:
-        """(intercept s, slope s per row, tokens per row per step)."""
-        if self._fit is None:
-            n = len(self.steps)
-            mean_r = sum(r for r, *_ in self.steps) / n
-            mean_t = sum(t for _, t, _ in self.steps) / n
-            var = sum((r - mean_r) ** 2 for r, *_ in self.steps)
-            cov = sum((r - mean_r) * (t - mean_t) for r, t, _ in self.steps)
-            slope = max(0.0, cov / var) if var else 0.0
-            per_row = sum(k for *_, k in self.steps) / sum(r for r, *_ in self.steps)
-            self._fit = (mean_t - slope * mean_r, slope, per_row)
-        return self._fit
+    def fit(self, rows: int | None = None) -> tuple[float, float, float]:
+        """(intercept s, slope s per row, tokens per row per step); around `rows` when given: each step weighs
+        a quarter as much per doubling of its rows away from them (one line does not fit 1 and 16 rows equally well)."""
+        if rows not in self._fits:
+            steps = self.steps
+            w = [1.0 if rows is None else 0.25 ** abs(math.log2(r / rows)) for r, *_ in steps]
+            n = sum(w)
+            mean_r = sum(wi * r for wi, (r, *_) in zip(w, steps, strict=True)) / n
+            mean_t = sum(wi * t for wi, (_, t, _) in zip(w, steps, strict=True)) / n
+            var = sum(wi * (r - mean_r) ** 2 for wi, (r, *_) in zip(w, steps, strict=True))
+            cov = sum(wi * (r - mean_r) * (t - mean_t) for wi, (r, t, _) in zip(w, steps, strict=True))
+            slope = max(0.0, cov / var) if var > 1e-12 else 0.0
+            per_row = sum(k for *_, k in steps) / sum(r for r, *_ in steps)
+            self._fits[rows] = (mean_t - slope * mean_r, slope, per_row)
+        return self._fits[rows]
 
     def per_token(self, rows: int) -> float:
         """Predicted seconds per emitted token of a step with `rows` rows."""
-        intercept, slope, per_row = self.fit()
+        intercept, slope, per_row = self.fit(rows)
         return max(intercept + slope * rows, 1e-9) / (rows * max(per_row, 1e-9))
 
 

@@ -515,7 +515,8 @@ def test_load_requests_carry_a_seed_unless_told_not_to():
 
 def test_step_cost_model_fits_a_line_in_the_rows():
     """Seconds per step as a least-squares line in the rows (an occasional dear step counts: it is a real cost),
-    over the tokens each row emits; a single row count gives a flat line, a falling one is clamped flat."""
+    weighted towards the rows asked about, over the tokens each row emits; a single row count gives a flat line,
+    a falling one is clamped flat."""
     import pytest
 
     from resispec.serving.scheduler import StepCostModel
@@ -531,6 +532,13 @@ def test_step_cost_model_fits_a_line_in_the_rows():
     for seconds in (0.02, 0.03, 0.04):
         flat.add(4, seconds, 4)
     assert flat.fit() == pytest.approx((0.03, 0.0, 1.0)) and flat.per_token(8) == pytest.approx(0.03 / 8)
+    curved = StepCostModel()  # a step costs 7 ms at 1 row, 34 ms at 16, not on one line
+    for rows, seconds in [(1, 0.007), (2, 0.008), (4, 0.010), (8, 0.018), (16, 0.034)] * 6:
+        curved.add(rows, seconds, rows)
+    intercept, slope, _ = curved.fit()
+    assert intercept + slope < 0.006  # one line through every step misses 1 row by 17%...
+    for rows, seconds in [(1, 0.007), (2, 0.008), (8, 0.018), (16, 0.034)]:
+        assert rows * curved.per_token(rows) == pytest.approx(seconds, rel=0.03)  # ...the fit around it: < 3%
     falling = StepCostModel()
     falling.add(1, 0.03, 1)
     falling.add(2, 0.01, 2)
