@@ -9,8 +9,9 @@ Paths a request can take:
 
 Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
 decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
-scheduler keeps an online cost model of each mode (`StepCostModel`): the seconds of its recent pure steps as a
-line in the number of rows (least squares) and the tokens each row emits per step. It drafts at R rows when the model predicts fewer
+scheduler keeps an online cost model of each mode (`StepCostModel`): the seconds of its recent pure steps, each
+timed over its whole scheduler cycle (a newcomer's admission merges its row into caches that drafting leaves
+wider; `_cycle`), as a line in the number of rows, and the tokens each row emits per step. It drafts at R rows when the model predicts fewer
 seconds per emitted token for drafting than for autoregressive steps at R rows (from AR, at least 5% fewer:
 the drafting step after AR steps feeds the draft every token it skipped, so a flip back and forth costs). One model per mode uses every
 pure step at every batch size, so a decision at 9 rows is not taken on steps measured at 16 (per-bucket medians
@@ -228,8 +229,7 @@ class Scheduler:
                 if self._closed:
                     break
             try:
-                self._admit()
-                self._step()
+                self._cycle()
             except BaseException as exc:  # a failed step fails the requests in it; keep serving
                 log.exception("decode step failed")
                 for task in list(self.tasks):
@@ -255,21 +255,33 @@ class Scheduler:
         longest = max(self._columns(j) for j in [t.job for t in self.tasks] + [job])
         return (len(self.tasks) + 1) * longest <= self.kv_budget
 
-    def _admit(self) -> None:
-        """Admit waiting jobs that fit: all that fit when nothing runs, else one per step boundary."""
-        busy = bool(self.tasks)
+    def _cycle(self) -> None:
+        """Admit, step, emit. A pure batch step is measured over the whole cycle: the newcomer's admission (its
+        prefill, and merging its row into caches that drafting leaves wider, with holes) and the hand-off of the
+        chunks are costs of the mode too; a cycle that admits a whole wave at once is not measured."""
+        t0 = time.perf_counter()
+        admitted = self._admit()
+        self._pure = None
+        self._step()
+        if self._pure is not None and admitted <= 1:
+            self._measure(*self._pure, time.perf_counter() - t0)
+
+    def _admit(self) -> int:
+        """Admit waiting jobs that fit: all that fit when nothing runs, else one per step boundary. -> how many."""
+        busy, admitted = bool(self.tasks), 0
         while True:
             with self._cv:
                 while self.waiting and self.waiting[0].cancelled.is_set():
                     self.waiting.popleft().finish()  # a client that left while queued costs nothing
                 if not self.waiting or not self._fits(self.waiting[0]):
                     self._gauges()
-                    return
+                    return admitted
                 job = self.waiting.popleft()
                 self._gauges()
             self._start(job)
+            admitted += 1
             if busy:
-                return
+                return admitted
 
     def _start(self, job) -> None:
         task = _Task(job=job, path="stream")
@@ -349,13 +361,11 @@ class Scheduler:
             True if self.speculation != "never" and _seeded(rows[id(r)].job.params) else drafting
             for r in self.batched.rows
         ]
-        t0 = time.perf_counter()
         out = self.batched.step(flags)
-        seconds = time.perf_counter() - t0
         tokens = sum(len(chunk) for _, chunk in out)
         catching_up = self._ar_rows_before and bool(drafting)
         if tokens and all(f is drafting for f in flags) and not catching_up:  # a pure step measures its mode
-            self._measure(drafting, rows_before, seconds, tokens)
+            self._pure = (drafting, rows_before, tokens)  # _cycle measures it
         self._ar_rows_before = not all(flags)
         counts = self.step_counts.setdefault(size, [0, 0])
         counts[0] += 1
@@ -414,8 +424,8 @@ class Scheduler:
             self._probing[size] = PROBE_STEPS
         return preferred
 
-    def _measure(self, drafted, rows: int, seconds: float, tokens: int) -> None:
-        """Record a pure step: `drafted` is False for an AR step, else the tree every row drafted."""
+    def _measure(self, drafted, rows: int, tokens: int, seconds: float) -> None:
+        """Record a pure step's cycle: `drafted` is False for an AR step, else the tree every row drafted."""
         mode = "spec" if drafted else "ar"
         self.samples.setdefault((mode, _bucket(rows)), deque(maxlen=COST_WINDOW)).append(seconds / tokens)
         self.models.setdefault(self._model_key(drafted), StepCostModel()).add(rows, seconds, tokens)

@@ -565,9 +565,9 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert sched._choose(2) is False  # the plan says no speculation at 2 rows
         # AR: 8 ms + 1 ms a row, one token a row; drafting: 9 ms + 2 ms a row, 1.5 tokens a row
         for i, rows in enumerate((3, 5, 7, 9, 11, 13, 15)):
-            sched._measure(False, rows, 0.008 + 0.001 * rows, rows)
+            sched._measure(False, rows, rows, 0.008 + 0.001 * rows)
             assert (sched.predicted_ratio(rows) is None) == (i < MIN_SAMPLES)
-            sched._measure(True, rows, 0.009 + 0.002 * rows, 1.5 * rows)
+            sched._measure(True, rows, 1.5 * rows, 0.009 + 0.002 * rows)
         for rows in (1, 4, 8, 16):  # every batch size: one line per mode, wherever it was measured
             assert sched.predicted_ratio(rows) == pytest.approx((9 + 2 * rows) / (1.5 * (8 + rows)))
         assert sched.tree_at(2) == (1,) and sched.predicted_ratio(2) is None  # planned none: probes draft [1]
@@ -593,8 +593,9 @@ def test_adaptive_policy_decides_by_the_cost_model():
 
 
 def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
-    """A drafting step after a step with AR rows feeds the draft what they skipped: not measured; nor is a step
-    where a seeded row drafted beside AR rows."""
+    """A pure step is measured over its whole cycle (admission, step, hand-off). A drafting step after a step with
+    AR rows feeds the draft what they skipped: not measured; nor is a step where a seeded row drafted beside AR
+    rows, nor a cycle that admitted a whole wave."""
     from types import SimpleNamespace
 
     from resispec.serving.scheduler import Scheduler
@@ -616,15 +617,19 @@ def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
         for r in batched.rows
     }
     try:
-        modes = iter([False, True, True, False, True])
+        modes = iter([False, True, True, False, True, True])
         sched._choose = lambda rows: next(modes)
+        sched._step = lambda: sched._batch_step(tasks)
         for _ in range(3):  # AR, drafting (catch-up), drafting
-            sched._batch_step(tasks)
+            sched._cycle()
         assert len(sched.models["ar"]) == 1 and len(sched.models[(3,)]) == 1
         tasks[id(batched.rows[0])].job.params.seed = 3  # a seeded row drafts while the policy says AR
-        sched._batch_step(tasks)
-        sched._batch_step(tasks)  # all draft, but after a step with an AR row
+        sched._cycle()
+        sched._cycle()  # all draft, but after a step with an AR row
         assert len(sched.models["ar"]) == 1 and len(sched.models[(3,)]) == 1
-        assert sched.cost_table()[2]["drafted"] == 3 / 5  # steps in which every row drafted
+        sched._admit = lambda: 2  # a wave admitted at once: its prefills are not a step's cost
+        sched._cycle()
+        assert len(sched.models["ar"]) == 1 and len(sched.models[(3,)]) == 1
+        assert sched.cost_table()[2]["drafted"] == 4 / 6  # steps in which every row drafted
     finally:
         sched.close()
