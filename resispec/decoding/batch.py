@@ -456,16 +456,18 @@ class BatchedSpeculativeDecoder:
         node_col: list[dict[int, int]] = [{} for _ in rows]  # tree node -> draft cache column, this step
 
         if draft:
-            # ---- draft, depth 0: every row's pending committed tokens (right-padded)
+            # ---- draft, depth 0: every row's pending committed tokens, LEFT-padded so that every row's last one
+            # is the block's last column and only that column goes through the LM head (a newcomer's prompt
+            # pads every other row to its length: full logits there cost more than the draft's layers)
             width = max(len(r.pending) for r in rows)
             ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
             pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
             new_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
             for b, r in enumerate(rows):
                 n = len(r.pending)
-                ids[b, :n] = torch.tensor(r.pending, device=dev)
-                pos[b, :n] = torch.arange(r.length + 1 - n, r.length + 1, device=dev)
-                new_valid[b, :n] = True
+                ids[b, width - n :] = torch.tensor(r.pending, device=dev)
+                pos[b, width - n :] = torch.arange(r.length + 1 - n, r.length + 1, device=dev)
+                new_valid[b, width - n :] = True
             allowed = self.dcache.allowed(width)
             t_old = self.dcache.num_cols
             causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
@@ -473,13 +475,15 @@ class BatchedSpeculativeDecoder:
                 width, dtype=torch.bool, device=dev
             )[None]
             logits = forward_logits(
-                self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self._d_dtype)
+                self._d_fwd,
+                ids,
+                self.dcache.cache,
+                pos,
+                _additive(allowed, self._d_dtype),
+                logits_to_keep=1,
             )
             self.dcache.append(new_valid)
-            qs = [
-                self._probs(logits[b, len(r.pending) - 1 : len(r.pending)], q_set[b])
-                for b, r in enumerate(rows)
-            ]
+            qs = [self._probs(logits[b, -1:], q_set[b]) for b in range(nb)]
             growing = [lim > 0 for lim in lims]
             for depth in range(1, max(lims) + 1):
                 feed = []  # (row, level) pairs the draft processes at this depth
