@@ -55,7 +55,11 @@ class Engine(Protocol):
     last_stats: Any
 
     def stream(
-        self, prompt_ids: list[int], params: SamplingParams, speculative: bool | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculative: bool | None = None,
+        generator: torch.Generator | None = None,
     ) -> Iterator[list[int]]: ...
 
 
@@ -110,9 +114,14 @@ class DecoderEngine:
         return [] if params.ignore_eos else self.eos_token_id
 
     def stream(
-        self, prompt_ids: list[int], params: SamplingParams, speculative: bool | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculative: bool | None = None,
+        generator: torch.Generator | None = None,
     ) -> Iterator[list[int]]:
-        """Decode one request alone (the batch-1 decoder); `speculative=False` takes its AR path."""
+        """Decode one request alone (the batch-1 decoder); `speculative=False` takes its AR path; `generator`:
+        the request's random stream (default: a new one, as `generator(params)`)."""
         it = self.decoder.generate_stream(
             torch.tensor([prompt_ids], device=self.device),  # [1, L]
             max_new_tokens=params.max_new_tokens,
@@ -121,7 +130,7 @@ class DecoderEngine:
             top_k=params.top_k,
             eos_token_id=self.eos(params),
             stop=params.stop or None,
-            generator=self.generator(params),
+            generator=generator if generator is not None else self.generator(params),
             speculative=self.speculative if speculative is None else speculative and self.speculative,
         )
         self.last_stats = self.decoder.last_stats
