@@ -126,18 +126,12 @@ class BatchedDecoder:
         stop: str | Sequence[str] | None = None,
         stop_checker: StopChecker | None = None,
         generator: torch.Generator | None = None,
-        generated: Sequence[int] = (),
     ) -> BatchRow:
         """Prefill a new row (one forward over prompt[:-1]) and add it to the batch. Settings as
-        SpeculativeDecoder.generate_stream. A row with max_new_tokens <= 0 is returned finished, not added.
-        generated: tokens this request already emitted elsewhere (it continues from them: they are prefilled with
-        the prompt and count towards max_new_tokens and the stop strings; if they already end it, the row is
-        returned finished)."""
+        SpeculativeDecoder.generate_stream. A row with max_new_tokens <= 0 is returned finished, not added."""
         prompt = torch.as_tensor(prompt_ids).reshape(-1).tolist()
         if not prompt:
             raise ValueError("empty prompt")
-        generated = list(generated)
-        context = prompt + generated
         if eos_token_id is None:
             eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
         checkers = [c for c in (stop_checker,) if c is not None]
@@ -152,18 +146,16 @@ class BatchedDecoder:
             eos=normalize_eos(eos_token_id),
             checkers=checkers,
             generator=generator,
-            generated=generated,
-            root=context[-1],
-            length=len(context) - 1,
+            root=prompt[-1],
+            length=len(prompt) - 1,
         )
-        ended = bool(generated) and (generated[-1] in row.eos or any(c(generated) for c in checkers))
-        if max_new_tokens <= len(generated) or ended:  # nothing (more) to generate
+        if max_new_tokens <= 0:
             row.finished = True
             return row
         row_cache = new_cache(self.target)
-        if len(context) > 1:
+        if len(prompt) > 1:
             t0 = time.perf_counter()
-            ids = torch.tensor([context[:-1]], device=self.device)
+            ids = torch.tensor([prompt[:-1]], device=self.device)
             forward_logits(self._target_fwd, ids, row_cache, logits_to_keep=1)
             row.stats.target_seconds += time.perf_counter() - t0
             row.stats.target_forwards += 1
@@ -400,7 +392,7 @@ class BatchedSpeculativeDecoder:
         """BatchedDecoder.add's hook: the new row joins both caches."""
         self.tcache.add_row(row_cache, row.length)
         self.dcache.add_row(new_cache(self.draft), 0)
-        row.pending = row.prompt + row.generated  # committed tokens not yet in the draft cache
+        row.pending = list(row.prompt)  # committed tokens not yet in the draft cache
         row.stats.accepted_per_position = [0] * len(self.shape)
         row.stats.reached_per_position = [0] * len(self.shape)
         self.rows.append(row)

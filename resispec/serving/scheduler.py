@@ -43,7 +43,7 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from resispec.serving.logprobs import start_scoring
@@ -83,15 +83,11 @@ class _Task:
     stream: Any = None  # token-chunk iterator on the stream path
     stats: Any = None
     scorer: Any = None  # logprobs.Scorer when the request asked for log-probs
-    lone: bool = False  # on the batch-1 decoder because it came alone; becomes a batch row when others come
-    emitted: list = field(default_factory=list)  # tokens emitted so far (kept while lone)
 
     def emit(self, chunk) -> None:
         """Hand a chunk of new tokens to the request, scored first when it asked for log-probs."""
         if self.scorer is not None:
             self.job.logprobs.extend(self.scorer.add(chunk))
-        if self.lone:
-            self.emitted.extend(chunk)
         self.job._put(list(chunk))
 
 
@@ -301,19 +297,12 @@ class Scheduler:
             if self.batched is None:
                 task.stream = self.engine.stream(job.prompt_ids, job.params)
                 task.stats = getattr(self.engine, "last_stats", None)
-            elif self.lone_stream and not self.tasks and not self.waiting and not _seeded(job.params):
-                task.lone = True  # alone: the batch-1 decoder, until another request comes (_join_batch)
-                task.generator = self.engine.generator(job.params)
+            elif self.lone_stream and not self.tasks and not self.waiting:  # alone: the batch-1 decoder
                 task.stream = self.engine.stream(
-                    job.prompt_ids,
-                    job.params,
-                    speculative=self.speculation != "never",
-                    generator=task.generator,
+                    job.prompt_ids, job.params, speculative=self.speculation != "never"
                 )
                 task.stats = getattr(self.engine, "last_stats", None)
             else:
-                for other in [t for t in self.tasks if t.lone]:
-                    self._join_batch(other)
                 task.path = "batch"
                 task.generator = self.engine.generator(job.params)
                 task.row = self._add_row(task)
@@ -327,23 +316,8 @@ class Scheduler:
             self._finish(task)
         self._gauges()
 
-    def _join_batch(self, task: _Task) -> None:
-        """A lone request becomes a batch row: its batch-1 decoding stops after the tokens it emitted, and it goes
-        on from them as a row (prefilled with prompt + emitted; same random stream, same stop strings and
-        max_tokens over all its tokens). Exact: the row samples from the target's distribution given everything
-        emitted, as the batch-1 decoder would have. Seeded requests never go lone, so their tokens never depend on
-        when others arrive."""
-        task.stream.close()
-        if self.metrics is not None and task.stats is not None:
-            self.metrics.observe_spec(task.stats)  # what the batch-1 decoder drafted and accepted so far
-        task.lone, task.stream, task.path = False, None, "batch"
-        task.row = self._add_row(task, generated=task.emitted)
-        task.stats = task.row.stats
-        if task.row.finished:
-            self._finish(task)
-
-    def _add_row(self, task: _Task, generated=()):
-        """Prefill `task` as a batch row (`generated`: tokens it already emitted on the batch-1 decoder)."""
+    def _add_row(self, task: _Task):
+        """Prefill `task` as a batch row."""
         p = task.job.params
         return self.batched.add(
             list(task.job.prompt_ids),
@@ -354,7 +328,6 @@ class Scheduler:
             eos_token_id=self.engine.eos(p),
             stop=p.stop or None,
             generator=task.generator,
-            generated=generated,
         )
 
     def _step(self) -> None:

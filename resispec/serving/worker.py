@@ -55,11 +55,7 @@ class Engine(Protocol):
     last_stats: Any
 
     def stream(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        speculative: bool | None = None,
-        generator: torch.Generator | None = None,
+        self, prompt_ids: list[int], params: SamplingParams, speculative: bool | None = None
     ) -> Iterator[list[int]]: ...
 
 
@@ -114,14 +110,9 @@ class DecoderEngine:
         return [] if params.ignore_eos else self.eos_token_id
 
     def stream(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        speculative: bool | None = None,
-        generator: torch.Generator | None = None,
+        self, prompt_ids: list[int], params: SamplingParams, speculative: bool | None = None
     ) -> Iterator[list[int]]:
-        """Decode one request alone (the batch-1 decoder); `speculative=False` takes its AR path; `generator`:
-        the request's random stream (default: a new one, as `generator(params)`)."""
+        """Decode one request alone (the batch-1 decoder); `speculative=False` takes its AR path."""
         it = self.decoder.generate_stream(
             torch.tensor([prompt_ids], device=self.device),  # [1, L]
             max_new_tokens=params.max_new_tokens,
@@ -130,7 +121,7 @@ class DecoderEngine:
             top_k=params.top_k,
             eos_token_id=self.eos(params),
             stop=params.stop or None,
-            generator=generator if generator is not None else self.generator(params),
+            generator=self.generator(params),
             speculative=self.speculative if speculative is None else speculative and self.speculative,
         )
         self.last_stats = self.decoder.last_stats

@@ -156,33 +156,6 @@ def test_a_lone_request_takes_the_batch_1_decoder(serve, pair, one_thread, specu
             assert (stats.num_drafts > 0) is (speculation == "auto"), stats
 
 
-def test_a_lone_request_joins_the_batch_when_others_come(serve, pair, one_thread):
-    """A lone request streams from the batch-1 decoder; a second request arrives: the first goes on as a batch row
-    from the tokens it emitted. Both texts are the target's greedy decoding, the first with all its max_tokens."""
-    url, sched = serve(max_batch_size=4, speculation="auto")
-    first = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
-    second = {"model": "m", "prompt": PROMPTS[3], "max_tokens": 20, "temperature": 0, "ignore_eos": True}
-
-    async def main():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            text, later = "", None
-            async with client.stream("POST", "/v1/completions", json={**first, "stream": True}) as r:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    choices = json.loads(line[6:])["choices"]
-                    text += choices[0]["text"] if choices else ""
-                    if text and later is None:  # the first is decoding alone: now another comes
-                        assert not sched.step_counts
-                        later = asyncio.create_task(client.post("/v1/completions", json=second))
-            return text, await later
-
-    text, r2 = asyncio.run(main())
-    assert text == _greedy_alone(pair, first["prompt"], 60)
-    assert r2.json()["choices"][0]["text"] == _greedy_alone(pair, second["prompt"], 20)
-    assert sched.step_counts  # they shared batch steps
-
-
 def test_seeded_request_ignores_its_neighbours(serve, one_thread):
     url, sched = serve(max_batch_size=8, speculation="never")
     body = {

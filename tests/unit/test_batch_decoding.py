@@ -120,30 +120,6 @@ def test_stops_per_row(setup):
     assert rows[2].generated == [] and rows[2].finished
 
 
-def test_a_row_resumes_from_tokens_emitted_elsewhere(setup):
-    """add(generated=...): a request decoded so far by the batch-1 decoder goes on as a row: greedy, it ends as
-    the greedy decoding alone (max_new_tokens counts every token); already ended by EOS, a stop string or
-    max_new_tokens, it comes back finished. Both batched decoders."""
-    _, dec, prompts = setup
-    free = _alone(dec, prompts[2], temperature=0.0)
-    spec_dec, spec_bd = _spec(setup)
-    for bd in (BatchedDecoder.from_decoder(dec), spec_bd):
-        other = bd.add(prompts[0], max_new_tokens=NEW, temperature=0.0, eos_token_id=[])
-        row = bd.add(prompts[2], max_new_tokens=NEW, temperature=0.0, eos_token_id=[], generated=free[:7])
-        while bd.rows:
-            bd.step()
-        assert row.generated == free and other.generated == _alone(dec, prompts[0], temperature=0.0)
-        for kwargs in (
-            dict(eos_token_id=free[6]),
-            dict(eos_token_id=[], stop_checker=lambda ids: len(ids) >= 7),
-            dict(eos_token_id=[], max_new_tokens=7),
-        ):
-            done = bd.add(
-                prompts[2], **{"max_new_tokens": NEW, **kwargs}, temperature=0.0, generated=free[:7]
-            )
-            assert done.finished and done.generated == free[:7] and not bd.rows
-
-
 # ---------------------------------------------------------------------------- batched speculative decoding
 def _spec(setup, rule="resispec", tree=(3, 2, 1), **kwargs):
     from tests.unit.test_decoding_helpers import noisy_copy
