@@ -17,8 +17,6 @@ class ServerConfig:
     speculation: str = (
         "auto"  # draft per step: auto (when measured cheaper at this batch size) | always | never
     )
-    # a request that arrives while nothing else runs or waits is decoded by the batch-1 decoder (its lean step)
-    lone_stream: bool = True
     kv_budget_tokens: int | None = None  # KV bound: rows x longest prompt+max_tokens; null = none
     # torch threads of the decoding thread; null = all cores but one, left to the event loop that streams the
     # tokens (on 2 cores, 2 torch threads fighting the event loop made batched steps ~2x slower: recipes/vllm)

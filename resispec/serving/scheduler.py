@@ -5,11 +5,7 @@ Paths a request can take:
   batch   a row of the engine's batched decoder: `BatchedSpeculativeDecoder` when the engine is speculative (per-row
           draft trees, one draft forward per depth and ONE target forward per step for every row), `BatchedDecoder`
           (batched autoregressive) otherwise.
-  stream  the engine's batch-1 decoder (its lean step): an engine without a batched decoder (or max_batch_size =
-          1), one request at a time; and, with `lone_stream`, a request admitted while nothing else runs or waits
-          (the batched decoder's per-row bookkeeping costs a lone request; on the tiny world at T = 1 the batched
-          speculative decoder with one row ran below batched AR while the lean step gains). It drafts unless
-          `speculation` is never. Requests that arrive while it runs become batch rows beside it.
+  stream  an engine without a batched decoder (or max_batch_size = 1): one request at a time, the old behaviour.
 
 Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
 decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
@@ -151,12 +147,10 @@ class Scheduler:
         max_queue: int = 64,
         metrics=None,
         speculation: str = "auto",
-        lone_stream: bool = True,
     ) -> None:
         if speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {speculation!r}")
         self.engine, self.metrics, self.speculation = engine, metrics, speculation
-        self.lone_stream = lone_stream
         self.batched = getattr(engine, "batched", None) if max_batch_size > 1 else None
         self.max_batch_size = max_batch_size if self.batched is not None else 1
         self.kv_budget, self.max_queue = kv_budget, max_queue
@@ -296,11 +290,6 @@ class Scheduler:
             job.prompt_logprobs = task.scorer and task.scorer.prompt
             if self.batched is None:
                 task.stream = self.engine.stream(job.prompt_ids, job.params)
-                task.stats = getattr(self.engine, "last_stats", None)
-            elif self.lone_stream and not self.tasks and not self.waiting:  # alone: the batch-1 decoder
-                task.stream = self.engine.stream(
-                    job.prompt_ids, job.params, speculative=self.speculation != "never"
-                )
                 task.stats = getattr(self.engine, "last_stats", None)
             else:
                 task.path = "batch"

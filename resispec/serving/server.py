@@ -142,7 +142,6 @@ def build_engine(
         max_batch_size=server.max_batch_size,
         kv_budget=server.kv_budget_tokens,
         speculation=server.speculation,
-        lone_stream=server.lone_stream,
         trees_by_batch=trees_by_batch if speculative and decode.planned else None,
     )
 

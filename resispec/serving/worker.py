@@ -54,9 +54,7 @@ class Engine(Protocol):
 
     last_stats: Any
 
-    def stream(
-        self, prompt_ids: list[int], params: SamplingParams, speculative: bool | None = None
-    ) -> Iterator[list[int]]: ...
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]: ...
 
 
 class DecoderEngine:
@@ -66,8 +64,7 @@ class DecoderEngine:
     as the engine), which the scheduler uses to decode many requests in one target forward per step. `kv_budget`
     (tokens, None = unbounded) bounds the batch cache; `speculation` (auto | always | never) is the scheduler's
     per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
-    output under decode.tree=auto) is the tree speculative steps draft at each batch size; `lone_stream`: a request
-    arriving while nothing else runs or waits is decoded by the batch-1 decoder."""
+    output under decode.tree=auto) is the tree speculative steps draft at each batch size."""
 
     def __init__(
         self,
@@ -78,10 +75,8 @@ class DecoderEngine:
         kv_budget: int | None = None,
         speculation: str = "auto",
         trees_by_batch: dict[int, list[int] | None] | None = None,
-        lone_stream: bool = True,
     ) -> None:
         self.decoder = decoder
-        self.lone_stream = lone_stream
         self.trees_by_batch = trees_by_batch
         self.tokenizer = tokenizer
         self.speculative = speculative
@@ -109,10 +104,7 @@ class DecoderEngine:
     def eos(self, params: SamplingParams):
         return [] if params.ignore_eos else self.eos_token_id
 
-    def stream(
-        self, prompt_ids: list[int], params: SamplingParams, speculative: bool | None = None
-    ) -> Iterator[list[int]]:
-        """Decode one request alone (the batch-1 decoder); `speculative=False` takes its AR path."""
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
         it = self.decoder.generate_stream(
             torch.tensor([prompt_ids], device=self.device),  # [1, L]
             max_new_tokens=params.max_new_tokens,
@@ -122,7 +114,7 @@ class DecoderEngine:
             eos_token_id=self.eos(params),
             stop=params.stop or None,
             generator=self.generator(params),
-            speculative=self.speculative if speculative is None else speculative and self.speculative,
+            speculative=self.speculative,
         )
         self.last_stats = self.decoder.last_stats
         return it
@@ -186,7 +178,6 @@ class DecodeWorker:
             max_batch_size=getattr(engine, "max_batch_size", 1),
             kv_budget=getattr(engine, "kv_budget", None),
             speculation=getattr(engine, "speculation", "auto"),
-            lone_stream=getattr(engine, "lone_stream", True),
             max_queue=max_queue,
             metrics=metrics,
         )
