@@ -132,11 +132,11 @@ def test_adaptive_speculation_measures_both_modes(serve, pair, one_thread):
 
 def test_trees_by_batch_size_drive_the_speculative_steps(serve, pair, one_thread):
     """The planner's per-batch-size trees: batch 1 drafts [3, 1, 1], batches of 2 take AR first (the plan says
-    speculation does not pay there) and explore the engine's tree, batches of 3-4 draft a chain of 2; every
+    speculation does not pay there) and explore a one-token chain, batches of 3-4 draft a chain of 2; every
     output is still the target's greedy one."""
     plan = {1: [3, 1, 1], 2: None, 4: [1, 1]}
     url, sched = serve(trees_by_batch=plan, max_batch_size=4, speculation="auto")
-    assert sched.tree_at(1) == (3, 1, 1) and sched.tree_at(2) is True and sched.tree_at(4) == (1, 1)
+    assert sched.tree_at(1) == (3, 1, 1) and sched.tree_at(2) == (1,) and sched.tree_at(4) == (1, 1)
     assert sched._choose(2) is False and sched._choose(4) is True  # unmeasured: the plan decides first
     _assert_greedy_as_alone(url, pair, PROMPTS[:4], 30)
     table = sched.cost_table()
