@@ -47,9 +47,8 @@ from resispec.serving.logprobs import start_scoring
 log = logging.getLogger(__name__)
 
 EXPLORE_EVERY = 64  # every so many steps at a batch size, the other mode is measured again
-SWITCH_MARGIN = (
-    0.95  # from AR to drafting only below this ratio (each switch feeds the draft what it skipped)
-)
+# from AR to drafting only below this ratio (each switch feeds the draft what it skipped)
+SWITCH_MARGIN = 0.95
 CLEAR_MARGIN = 1.5  # ... and 4x less often while the model's ratio is beyond this factor either way
 WARMUP_EVERY = 6  # the probing period before the model is ready
 PROBE_STEPS = 3  # steps of the other mode per measurement (the first drafting one pays the draft's catch-up)
@@ -90,8 +89,9 @@ class _Task:
 class StepCostModel:
     """One mode's recent pure steps (rows, seconds, emitted tokens) -> predicted seconds per emitted token at any
     number of rows: the step's seconds as a line in the rows (least squares weighted towards the rows asked
-    about, slope at least 0), over the tokens the rows emit per step (their mean per row). Means, not medians: the costs only one mode pays now and then
-    (the draft's prefill of a newcomer's prompt in a drafting step) are real, and a median would drop them."""
+    about, slope at least 0), over the tokens the rows emit per step (their mean per row). Means, not medians:
+    the costs only one mode pays now and then (the draft's prefill of a newcomer's prompt in a drafting step)
+    are real, and a median would drop them."""
 
     def __init__(self, window: int = MODEL_WINDOW) -> None:
         self.steps: deque = deque(maxlen=window)
@@ -106,7 +106,8 @@ class StepCostModel:
 
     def fit(self, rows: int | None = None) -> tuple[float, float, float]:
         """(intercept s, slope s per row, tokens per row per step); around `rows` when given: each step weighs
-        a quarter as much per doubling of its rows away from them (one line does not fit 1 and 16 rows equally well)."""
+        a quarter as much per doubling of its rows away from them (one line does not fit 1 and 16 rows
+        equally well)."""
         if rows not in self._fits:
             steps = self.steps
             w = [1.0 if rows is None else 0.25 ** abs(math.log2(r / rows)) for r, *_ in steps]
@@ -159,18 +160,17 @@ class Scheduler:
         # batch-size bucket -> planned tree, None = do not speculate (decode.tree=auto); empty = the engine's tree
         self.trees_by_batch = getattr(engine, "trees_by_batch", None) or {}
         self.samples: dict[tuple[str, int], deque] = {}  # (mode, batch size) -> seconds per token
-        # "ar" or the drafted tree (True = the engine's) -> the mode's cost model
+        # "ar", or the drafted tree as a tuple -> that mode's cost model
         self.models: dict[Any, StepCostModel] = {}
         self.steps_at: dict[int, int] = {}  # batch size -> steps taken
         self.step_counts: dict[int, list[int]] = {}  # batch size -> [steps, steps in which every row drafted]
-        self._preferred: dict[
-            int, bool
-        ] = {}  # batch size -> the mode the policy last preferred (True: draft)
+        # batch size -> the mode the policy last preferred (True: draft)
+        self._preferred: dict[int, bool] = {}
         self._probing: dict[int, int] = {}  # batch size -> steps of the other mode still to take
         self._steps = 0  # batch steps taken
-        self._ar_rows_before = (
-            False  # the last step had rows that did not draft (the next drafting step catches up)
-        )
+        # the last step had rows that did not draft (the next drafting step catches up)
+        self._ar_rows_before = False
+        self._pure: tuple | None = None  # (drafted, rows, tokens) of this cycle's pure step, for _cycle
         self.peak_running = 0  # most requests decoded together so far
         self.waiting: deque = deque()
         self.tasks: list[_Task] = []
