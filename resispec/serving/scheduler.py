@@ -162,7 +162,6 @@ class Scheduler:
         self.samples: dict[tuple[str, int], deque] = {}  # (mode, batch size) -> seconds per token
         # "ar", or the drafted tree as a tuple -> that mode's cost model
         self.models: dict[Any, StepCostModel] = {}
-        self.steps_at: dict[int, int] = {}  # batch size -> steps taken
         self.step_counts: dict[int, list[int]] = {}  # batch size -> [steps, steps in which every row drafted]
         # batch size -> the mode the policy last preferred (True: draft)
         self._preferred: dict[int, bool] = {}
@@ -378,9 +377,8 @@ class Scheduler:
     def _policy_line(self) -> str:
         """bucket: drafted share of its steps, the model's ratio there (drafting / AR seconds per token)."""
         parts = []
-        for size, (steps, drafted) in sorted(self.step_counts.items()):
-            ratio = self.predicted_ratio(size)
-            share = drafted / steps
+        for size in sorted(self.step_counts):
+            ratio, share = self.predicted_ratio(size), self._drafted_share(size)
             parts.append(
                 f"{size} rows: drafted {share:.0%}, ratio {'-' if ratio is None else format(ratio, '.2f')}"
             )
@@ -404,7 +402,7 @@ class Scheduler:
         if self.speculation != "auto":
             return self.speculation == "always"
         size = _bucket(rows)
-        steps = self.steps_at[size] = self.steps_at.get(size, 0) + 1
+        steps = self.step_counts.get(size, (0, 0))[0] + 1  # counting this one
         ratio = self.predicted_ratio(rows)
         if ratio is None:
             preferred = not self._plan_prefers_ar(size)
@@ -461,10 +459,15 @@ class Scheduler:
                 "ar": self.cost(("ar", b)),
                 "ratio": self.predicted_ratio(b),
                 "tree": self._tree_label(b),
-                "drafted": self.step_counts[b][1] / self.step_counts[b][0] if b in self.step_counts else None,
+                "drafted": self._drafted_share(b),
             }
             for b in sizes
         }
+
+    def _drafted_share(self, size: int) -> float | None:
+        """The share of the batch steps at this batch-size bucket in which every row drafted."""
+        steps, drafted = self.step_counts.get(size, (0, 0))
+        return drafted / steps if steps else None
 
     def _tree_label(self, size: int) -> list[int]:
         return list(self._model_key(self.tree_at(size)))

@@ -573,7 +573,7 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert sched.tree_at(2) == (1,) and sched.predicted_ratio(2) is None  # planned none: probes draft [1]
         assert sched.cost_table()[16]["ratio"] == pytest.approx(sched.predicted_ratio(16))
         sched._probing.clear()
-        sched.steps_at = dict.fromkeys((1, 2, 4, 8, 16), 1)  # no probe starts below
+        sched.step_counts = {b: [1, 0] for b in (1, 2, 4, 8, 16)}  # no probe starts below
         assert sched._choose(1) is True  # ratio 0.81: drafting pays with one row
         assert sched._choose(5) is True  # 0.97 at 5 rows
         assert sched._choose(7) is False  # 1.02 at 7 rows, in the same bucket
@@ -581,12 +581,13 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert sched._choose(1) is True
         assert sched._choose(8) is False and sched._choose(16) is False
         # every EXPLORE_EVERY-th step at a batch size, PROBE_STEPS of the other mode
-        sched.steps_at[16] = EXPLORE_EVERY
+        sched.step_counts[16] = [EXPLORE_EVERY, 0]
         assert [sched._choose(16) for _ in range(PROBE_STEPS + 2)] == [False] + [True] * PROBE_STEPS + [False]
+        sched._probing.clear()  # (no step ran: the count stayed, and the last call started another probe)
         sched.predicted_ratio = lambda rows: 2.0  # a clear answer: re-checked 4x less often
-        sched.steps_at[16] = EXPLORE_EVERY
+        sched.step_counts[16] = [EXPLORE_EVERY, 0]
         assert [sched._choose(16) for _ in range(2)] == [False, False]
-        sched.steps_at[16] = 4 * EXPLORE_EVERY
+        sched.step_counts[16] = [4 * EXPLORE_EVERY, 0]
         assert [sched._choose(16) for _ in range(2)] == [False, True]
     finally:
         sched.close()
