@@ -84,6 +84,15 @@ class BatchRow:
         return self.finished
 
 
+def _slot_order(old: list[BatchRow], keep: list[BatchRow]) -> list[BatchRow]:
+    """The rows `keep` (a subset of `old`) in the order that moves the fewest cache rows: a row keeps its slot, and
+    the kept rows beyond the new batch size fill the slots of rows that left (select_cache_rows then moves one row
+    per row that left, not every row after it)."""
+    n, kept = len(keep), {id(r) for r in keep}
+    tail = [r for r in old[n:] if id(r) in kept]
+    return [r if id(r) in kept else tail.pop() for r in old[:n]]
+
+
 class BatchedDecoder:
     """Batched autoregressive decoding of `target` (an HF causal LM, sdpa or eager attention).
 
@@ -175,6 +184,7 @@ class BatchedDecoder:
     def _keep(self, rows: list[BatchRow]) -> None:
         if len(rows) == len(self.rows):
             return
+        rows = _slot_order(self.rows, rows)
         index = {id(r): i for i, r in enumerate(self.rows)}
         select_cache_rows(
             self.cache, torch.tensor([index[id(r)] for r in rows], dtype=torch.long, device=self.device)
@@ -403,6 +413,7 @@ class BatchedSpeculativeDecoder:
     def _keep(self, rows: list[BatchRow]) -> None:
         if len(rows) == len(self.rows):
             return
+        rows = _slot_order(self.rows, rows)
         index = {id(r): i for i, r in enumerate(self.rows)}
         sel = torch.tensor([index[id(r)] for r in rows], dtype=torch.long, device=self.device)
         self.tcache.keep_rows(sel)

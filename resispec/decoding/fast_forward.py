@@ -8,9 +8,10 @@ Why (measured on the tiny world, 2-core EPYC, fp32; recipes/tiny/README.md "Deco
     weight as the left operand) costs about what one row does. The weights stream from memory either way (59 MB
     for the target against a 32 MB L3), so a few extra rows should be almost free, and this way they are.
 Here: one RMSNorm op, the rotary table from the model's own `rotary_emb`, SDPA with the decoder's 4D mask, and K/V
-appended IN PLACE into a buffer with spare capacity (the cache layer's `keys`/`values` stay prefix views of it, so
-every function of resispec.decoding.kv_cache, crop, compact, row merge and repack, works unchanged; a layer whose
-tensors were replaced by something else is copied into a fresh buffer on its next append).
+appended IN PLACE into a buffer with spare rows and columns (`kv_cache.append_kv`: the cache layer's `keys` /
+`values` stay views of it, which every edit of resispec.decoding.kv_cache, crop, compaction, a row joining or
+leaving, repack, keeps where it can; a layer whose tensors were replaced by something else is copied into a fresh
+buffer on its next append).
 
 Exactness: the same math as the HF forward in the same dtype. Logits differ from HF's by float rounding only
 (the order of a few reductions), like any change of batch shape; tests/unit/test_fast_forward.py holds logits
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from resispec.decoding.kv_cache import append_kv
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # up to this many rows a CPU matmul is computed as W @ x^T (see the module docstring); beyond it x @ W^T is as fast
@@ -97,37 +100,6 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
-def _capacity(needed: int) -> int:
-    return -(-(needed + max(64, needed // 2)) // 64) * 64
-
-
-def _append(layer, name: str, new: torch.Tensor) -> torch.Tensor:
-    """Append `new` [B, H, Q, D] to the layer's `keys` or `values` in place; returns the full view [B, H, L+Q, D]."""
-    old = getattr(layer, name)
-    length = 0 if old is None or old.numel() == 0 else old.shape[-2]
-    buf_name = "_resispec_" + name
-    buf = getattr(layer, buf_name, None)
-    is_prefix = (
-        buf is not None
-        and length > 0
-        and old.data_ptr() == buf.data_ptr()
-        and old.shape[:-2] == buf.shape[:-2]
-        and old.stride() == buf.stride()
-        and old.shape[-1] == buf.shape[-1]
-    )
-    needed = length + new.shape[-2]
-    if not (is_prefix and buf.shape[-2] >= needed and buf.shape[0] == new.shape[0]):
-        fresh = new.new_empty(*new.shape[:-2], _capacity(needed), new.shape[-1])
-        if length:
-            fresh[..., :length, :] = old
-        buf = fresh
-        setattr(layer, buf_name, buf)
-    buf[..., length:needed, :] = new
-    view = buf[..., :needed, :]
-    setattr(layer, name, view)
-    return view
 
 
 class FastCausalLM:
@@ -207,7 +179,7 @@ class FastCausalLM:
             layer = cache.layers[i]
             if not layer.is_initialized:
                 layer.lazy_initialization(k, v)
-            keys, values = _append(layer, "keys", k), _append(layer, "values", v)
+            keys, values = append_kv(layer, "keys", k), append_kv(layer, "values", v)
             a = F.scaled_dot_product_attention(
                 q,
                 keys,

@@ -103,70 +103,141 @@ def forward_logits(
     return out.logits
 
 
+# ---------------------------------------------------------------------------- buffers with spare room
+# The decoder's forward (resispec.decoding.fast_forward) appends K/V IN PLACE into a buffer with spare rows and
+# columns: a layer's `keys` / `values` are then views buf[:B, :, c0 : c0 + L, :] of it. Every edit below keeps them
+# views where it can: an append writes after the last column, a crop or a trim of leading padding moves the view's
+# ends, a joining row is written into a spare row, a leaving row's slot is filled by moving one row. So neither a
+# step nor a join or leave copies the whole cache (at 15 rows of the tiny target, joining and leaving used to cost
+# four whole-cache copies, ~25 ms, most of an AR step). A layer holding a plain tensor (HF's DynamicCache.update
+# concatenates) is copied into a fresh buffer by the next edit that needs room.
+
+
+def _capacity(needed: int) -> int:
+    """Columns to allocate for `needed`: spare room for 64 tokens or half as many again, rounded to 64."""
+    return -(-(needed + max(64, needed // 2)) // 64) * 64
+
+
+def _row_capacity(rows: int) -> int:
+    """Rows to allocate for `rows`: room for half as many again (at least 2) to join without a copy."""
+    return rows + max(2, rows // 2)
+
+
+def _buffer_name(name: str) -> str:
+    return "_resispec_" + name
+
+
+def _in_buffer(layer, name: str) -> tuple[torch.Tensor, int] | None:
+    """(buffer, first column c0) when layer.<name> is the view buf[:B, :, c0 : c0 + L, :] of its buffer, else None."""
+    view, buf = getattr(layer, name, None), getattr(layer, _buffer_name(name), None)
+    if buf is None or view is None or view.numel() == 0 or view.stride() != buf.stride():
+        return None
+    if view.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+        return None
+    if view.shape[0] > buf.shape[0] or view.shape[1] != buf.shape[1] or view.shape[-1] != buf.shape[-1]:
+        return None
+    offset, col = view.storage_offset() - buf.storage_offset(), buf.stride(-2)
+    if offset < 0 or offset % col or offset // col + view.shape[-2] > buf.shape[-2]:
+        return None
+    return buf, offset // col
+
+
+def _set_view(layer, name: str, buf: torch.Tensor, rows: int, c0: int, length: int) -> torch.Tensor:
+    view = buf[:rows, :, c0 : c0 + length, :]
+    setattr(layer, name, view)
+    setattr(layer, _buffer_name(name), buf)
+    layer.device, layer.is_initialized = buf.device, True
+    return view
+
+
+def _fresh(layer, name: str, like: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """A new buffer for `rows` x `length` (spare rows kept from the layer's old buffer, spare columns added)."""
+    old = getattr(layer, _buffer_name(name), None)
+    spare_rows = old.shape[0] if old is not None and old.shape[1:2] == like.shape[1:2] else 0
+    return like.new_empty(max(rows, spare_rows), like.shape[1], _capacity(length), like.shape[-1])
+
+
+def append_kv(layer, name: str, new: torch.Tensor) -> torch.Tensor:
+    """Append `new` [B, H, Q, D] to the layer's `keys` or `values` in place -> the full view [B, H, L + Q, D]."""
+    old = getattr(layer, name)
+    length = 0 if old is None or old.numel() == 0 else old.shape[-2]
+    rows, needed = new.shape[0], length + new.shape[-2]
+    at = _in_buffer(layer, name) if length else None
+    if at is not None and at[0].shape[0] >= rows and at[1] + needed <= at[0].shape[-2]:
+        buf, c0 = at
+    else:
+        buf, c0 = _fresh(layer, name, new, rows, needed), 0
+        if length:
+            buf[:rows, :, :length] = old
+    buf[:rows, :, c0 + length : c0 + needed] = new
+    return _set_view(layer, name, buf, rows, c0, needed)
+
+
 # ---------------------------------------------------------------------------- batched caches (resispec.decoding.batch)
 # A batched cache holds rows right-aligned: row b's tokens are the last `lengths[b]` of the T columns, the columns
 # before them are padding that `batch_attention_mask` hides. Rows join (merge_cache_row), leave (select_cache_rows)
 # and the padding every row shares is dropped (trim_cache_left), so T stays the longest row's length.
 
 
-def _kv_pairs(cache: DynamicCache):
-    return [(layer.keys, layer.values) for layer in _layers(cache)]
+def _merge_layer(layer, name: str, num_rows: int, row: torch.Tensor | None) -> None:
+    """Row `num_rows` joins layer.<name> (`num_rows` rows of T columns, maybe none yet): `row` [1, H, t, D]
+    right-aligned, or only padding when `row` is None. Padding is zeros (finite under the additive mask)."""
+    old = getattr(layer, name, None)
+    batch = old if old is not None and old.numel() > 0 else None
+    if batch is None and row is None:
+        return
+    t_batch = 0 if batch is None else batch.shape[-2]
+    t_row = 0 if row is None else row.shape[-2]
+    width = max(t_batch, t_row)
+    at = _in_buffer(layer, name) if batch is not None else None
+    if at is not None and at[0].shape[0] > num_rows and at[1] >= width - t_batch:
+        buf, c0 = at
+        start = c0 - (width - t_batch)
+        buf[:num_rows, :, start:c0] = 0  # the existing rows' new padding (none unless the row is the longest)
+    else:
+        like = batch if batch is not None else row
+        buf = _fresh(layer, name, like, _row_capacity(num_rows + 1), width)
+        start = 0
+        buf[:num_rows, :, : width - t_batch] = 0
+        if batch is not None:
+            buf[:num_rows, :, width - t_batch : width] = batch
+    buf[num_rows, :, start : start + width - t_row] = 0
+    if row is not None:
+        buf[num_rows, :, start + width - t_row : start + width] = row[0]
+    _set_view(layer, name, buf, num_rows + 1, start, width)
 
 
-def _set_kv(cache: DynamicCache, pairs) -> None:
-    for layer, (keys, values) in zip(cache.layers, pairs, strict=True):
-        layer.keys, layer.values = keys, values
-        layer.device, layer.is_initialized = keys.device, True
-
-
-def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
-    if n <= 0:
-        return t
-    return torch.cat([t.new_zeros(*t.shape[:-2], n, t.shape[-1]), t], dim=-2)
-
-
-def _add_zero_rows(t: torch.Tensor, n: int, front: bool = False) -> torch.Tensor:
-    if n <= 0:
-        return t
-    zeros = t.new_zeros(n, *t.shape[1:])
-    return torch.cat([zeros, t] if front else [t, zeros])
-
-
+@torch.inference_mode()  # writes into the decoders' inference-mode buffers
 def merge_cache_row(cache: DynamicCache, num_rows: int, row_cache: DynamicCache) -> None:
     """Append `row_cache` (batch 1) as row `num_rows` of `cache` (which holds `num_rows` rows, right-aligned),
-    left-padding whichever side is shorter. Either side may be empty (uninitialised)."""
-    batch, row = _kv_pairs(cache), _kv_pairs(row_cache)
-    if not row:  # the new row holds no tokens yet: it owns only padding columns
-        if batch:
-            _set_kv(cache, [(_add_zero_rows(k, 1), _add_zero_rows(v, 1)) for k, v in batch])
-        return
-    if not batch:  # the existing rows hold no tokens yet: they get padding columns
-        _set_kv(
-            cache,
-            [
-                (_add_zero_rows(k, num_rows, front=True), _add_zero_rows(v, num_rows, front=True))
-                for k, v in row
-            ],
-        )
-        return
-    t_batch, t_row = batch[0][0].shape[-2], row[0][0].shape[-2]
-    _set_kv(
-        cache,
-        [
-            (
-                torch.cat([_pad_left(kb, t_row - t_batch), _pad_left(kr, t_batch - t_row)]),
-                torch.cat([_pad_left(vb, t_row - t_batch), _pad_left(vr, t_batch - t_row)]),
-            )
-            for (kb, vb), (kr, vr) in zip(batch, row, strict=True)
-        ],
-    )
+    left-padding whichever side is shorter. Either side may be empty (uninitialised). Into a spare row of the
+    batch's buffer when it has one and no existing row needs new padding (else one copy into a bigger buffer)."""
+    row_layers = list(_layers(row_cache))
+    for i, layer in enumerate(cache.layers):
+        src = row_layers[i] if row_layers else None
+        for name in ("keys", "values"):
+            _merge_layer(layer, name, num_rows, None if src is None else getattr(src, name))
 
 
+@torch.inference_mode()  # writes into the decoders' inference-mode buffers
 def select_cache_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
-    """Keep the batch rows `rows` [R] (in that order)."""
+    """Keep the batch rows `rows` [R] (in that order). In the buffer, only the rows whose slot changes are moved
+    (the batched decoders order their rows so that one row fills each slot that was left)."""
+    dst = torch.arange(rows.numel(), device=rows.device)
+    moved = rows != dst
+    src, dst = rows[moved], dst[moved]
     for layer in _layers(cache):
-        layer.keys = layer.keys.index_select(0, rows)
-        layer.values = layer.values.index_select(0, rows)
+        for name in ("keys", "values"):
+            at = _in_buffer(layer, name)
+            view = getattr(layer, name)
+            if at is None:
+                setattr(layer, name, view.index_select(0, rows))
+                continue
+            buf, c0 = at
+            cols = slice(c0, c0 + view.shape[-2])
+            if src.numel():
+                buf[dst, :, cols] = buf[src, :, cols]  # the right side is gathered first: overlap is safe
+            _set_view(layer, name, buf, rows.numel(), c0, view.shape[-2])
 
 
 def trim_cache_left(cache: DynamicCache, num: int) -> None:
@@ -192,10 +263,18 @@ def batch_attention_mask(
     return mask[:, None]
 
 
+@torch.inference_mode()  # writes into the decoders' inference-mode buffers
 def gather_cache_columns(cache: DynamicCache, index: torch.Tensor) -> None:
     """Row b keeps columns index[b] (in that order): index [B, T'] long. Used to repack a batch cache whose rows
     have holes (rejected tree nodes) into right-aligned rows."""
     for layer in _layers(cache):
-        k, v = layer.keys, layer.values
-        layer.keys = k.gather(2, index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1]))
-        layer.values = v.gather(2, index[:, None, :, None].expand(-1, v.shape[1], -1, v.shape[-1]))
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            packed = t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
+            at = _in_buffer(layer, name)
+            if at is None:
+                setattr(layer, name, packed)
+            else:  # back into the buffer, from its first column
+                buf, c0 = at
+                buf[: t.shape[0], :, c0 : c0 + packed.shape[-2]] = packed
+                _set_view(layer, name, buf, t.shape[0], c0, packed.shape[-2])

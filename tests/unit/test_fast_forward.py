@@ -82,7 +82,7 @@ def test_logits_and_cache_equal_hf_on_every_decoder_path(arch):
 @torch.inference_mode()
 def test_ragged_batch_with_row_removal_equals_hf():
     """The batched decoders' layout: right-aligned rows of different lengths under the batch mask, per-row positions,
-    a row leaving (index_select replaces the tensors: the next append copies them into a fresh buffer)."""
+    a row leaving (after the HF forward a plain tensor, index_select; after ours a row moved inside the buffer)."""
     model = _model("Llama", seed=3)
     fast = fast_forward(model)
     gen = torch.Generator().manual_seed(1)
@@ -158,3 +158,112 @@ def test_decoders_on_either_forward_give_target_greedy():
     while batched.rows:
         batched.step()
     assert row.generated == hf[0, 5:].tolist()
+
+
+@torch.inference_mode()
+def test_cache_edits_in_the_buffer_equal_plain_tensor_edits():
+    """Every batched cache edit on a layer held in its spare-room buffer (kv_cache.append_kv) gives the tensors the
+    plain edits give (pad, cat, index_select, slice, gather), and the ones that fit do it without a new buffer:
+    a row joining into a spare row, a row leaving, padding trimmed, appends after all of them."""
+    from resispec.decoding.kv_cache import (
+        _in_buffer,
+        append_kv,
+        gather_cache_columns,
+        merge_cache_row,
+        trim_cache_left,
+    )
+
+    model = _model("Llama")
+    gen = torch.Generator().manual_seed(5)
+    heads, dim = 2, 32
+
+    def kv(b, t):
+        return torch.randn(b, heads, t, dim, generator=gen)
+
+    def pad_left(t, n):
+        return torch.cat([t.new_zeros(*t.shape[:-2], n, t.shape[-1]), t], -2)
+
+    def prefilled(t):  # a batch-1 row cache, as BatchedDecoder.add's prefill leaves it
+        c = new_cache(model)
+        if t:
+            for layer in c.layers:
+                layer.lazy_initialization(kv(1, 1), kv(1, 1))
+                append_kv(layer, "keys", kv(1, t))
+                append_kv(layer, "values", kv(1, t))
+        return c
+
+    cache = new_cache(model)
+    ref = [[None, None] for _ in cache.layers]  # the plain tensors the edits should give
+
+    def check(*, same_buffer_as=None):
+        for layer, (k, v) in zip(cache.layers, ref, strict=True):
+            torch.testing.assert_close(layer.keys, k, rtol=0, atol=0)
+            torch.testing.assert_close(layer.values, v, rtol=0, atol=0)
+            assert _in_buffer(layer, "keys") is not None
+        if same_buffer_as is not None:
+            assert [layer._resispec_keys.data_ptr() for layer in cache.layers] == same_buffer_as
+
+    def buffers():
+        return [layer._resispec_keys.data_ptr() for layer in cache.layers]
+
+    def join(t):
+        row = prefilled(t)
+        n = 0 if ref[0][0] is None else ref[0][0].shape[0]
+        merge_cache_row(cache, n, row)
+        for i, (layer_ref, layer) in enumerate(zip(ref, row.layers, strict=True)):
+            for j, name in enumerate(("keys", "values")):
+                r = getattr(layer, name) if t else None
+                b = layer_ref[j]
+                if b is None:
+                    b = torch.zeros(n, heads, 0, dim)
+                width = max(b.shape[-2], t)
+                r = torch.zeros(1, heads, width, dim) if r is None else pad_left(r, width - t)
+                ref[i][j] = torch.cat([pad_left(b, width - b.shape[-2]), r])
+
+    def step(q):
+        for layer, layer_ref in zip(cache.layers, ref, strict=True):
+            for j, name in enumerate(("keys", "values")):
+                new = kv(layer_ref[j].shape[0], q)
+                append_kv(layer, name, new)
+                layer_ref[j] = torch.cat([layer_ref[j], new], -2)
+
+    def leave(rows):
+        select_cache_rows(cache, torch.tensor(rows))
+        for layer_ref in ref:
+            layer_ref[:] = [t[rows] for t in layer_ref]
+
+    join(0)  # a draft row before its first step: no tokens yet, no buffer yet
+    join(9)
+    step(1)
+    join(5)
+    first = buffers()
+    join(0)  # a spare row: no new buffer
+    check(same_buffer_as=first)
+    step(2)
+    leave([3, 1, 2])  # row 0 leaves, row 3 takes its slot: one row moves
+    check(same_buffer_as=first)
+    trim_cache_left(cache, 2)  # columns that hold row 1's first tokens (a holey cache trims stale nodes too)
+    for layer_ref in ref:
+        layer_ref[:] = [t[..., 2:, :] for t in layer_ref]
+    step(1)  # the trimmed view still appends in place
+    check(same_buffer_as=first)
+    join(ref[0][0].shape[-2] + 1)  # one column longer than every row: the trimmed column is reused as padding
+    check(same_buffer_as=first)
+    join(30)  # longer than every row: the existing rows get padding (a new buffer: no room on the left)
+    step(1)
+    check()
+    index = torch.stack(
+        [
+            torch.randperm(ref[0][0].shape[-2], generator=gen)[:6].sort().values
+            for _ in range(ref[0][0].shape[0])
+        ]
+    )
+    gather_cache_columns(cache, index)
+    for layer_ref in ref:
+        layer_ref[:] = [t.gather(2, index[:, None, :, None].expand(-1, heads, -1, dim)) for t in layer_ref]
+    packed = buffers()
+    step(3)
+    check(same_buffer_as=packed)
+    leave([3, 1])
+    step(1)
+    check(same_buffer_as=packed)
