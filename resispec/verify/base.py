@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from resispec.sampling import sample_rows
+
 Tensor = torch.Tensor
 SCHEMES = ("iid", "distinct", "deterministic")
 
@@ -131,20 +133,6 @@ def gumbel_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
     """Standard Gumbel noise of `like`'s shape: G = -log(E), E ~ Exp(1) (E is clamped away from 0)."""
     e = torch.empty_like(like).exponential_(generator=generator)
     return -torch.log(e.clamp_min(torch.finfo(like.dtype).tiny))
-
-
-def sample_rows(weights: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
-    """k i.i.d. tokens per row from unnormalised weights [B, V] (each row with positive total) -> [B, k].
-
-    Inverse CDF: one cumsum and a binary search (torch.multinomial is far slower for many short rows). A
-    zero-weight token has an empty CDF interval, so it is never drawn; the clamp to the last positive token
-    only catches u rounding up to the total."""
-    cdf = torch.cumsum(weights, -1)  # [B, V]
-    total = cdf[:, -1:].contiguous()  # [B, 1]
-    u = uniform((weights.shape[0], k), weights, generator) * total  # [B, k]
-    idx = torch.searchsorted(cdf, u, right=True)
-    last = torch.searchsorted(cdf, total, right=False)  # first index reaching the total: a positive weight
-    return torch.minimum(idx, last)
 
 
 def sample_weights(weights: Tensor, generator: torch.Generator | None, fallback: Tensor) -> Tensor:

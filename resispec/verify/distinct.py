@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from resispec.sampling import sample_rows
 from resispec.verify.base import (
     Proposal,
     Tensor,
@@ -20,7 +21,6 @@ from resispec.verify.base import (
     gather_at,
     gumbel_noise,
     id_mask,
-    sample_rows,
     sample_weights,
     top_distinct,
     top_set,
