@@ -17,8 +17,8 @@ dropped, so T is always the longest running row's length: memory is bounded by r
 
 Exactness: a greedy row emits the target's greedy tokens (identical to decoding it alone and to HF generate, up to
 floating-point differences between batch shapes); a sampled row draws from process_logits(target logits) with its
-own generator, one multinomial draw per token, exactly as SpeculativeDecoder's AR path does, so a seeded row gives the
-same tokens whatever its neighbours.
+own generator, one draw per token (sampling.sample_tokens), exactly as SpeculativeDecoder's AR path does, so a
+seeded row gives the same tokens whatever its neighbours.
 """
 
 from __future__ import annotations
