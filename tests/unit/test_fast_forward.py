@@ -97,9 +97,9 @@ def test_ragged_batch_with_row_removal_equals_hf():
     for fwd, cache in ((model, hf_cache), (fast, our_cache)):
         forward_logits(fwd, ids, cache, pos, mask)
     _same_caches(our_cache, hf_cache)
-    step = torch.randint(0, VOCAB, (3, 2), generator=gen)
-    step_mask = batch_attention_mask(lengths, 12, 2, model.dtype)
-    step_pos = lengths[:, None] + torch.arange(2)[None]
+    step = torch.randint(0, VOCAB, (3, 5), generator=gen)  # 15 rows: padded to 16 (fast_forward._linear)
+    step_mask = batch_attention_mask(lengths, 12, 5, model.dtype)
+    step_pos = lengths[:, None] + torch.arange(5)[None]
     want = forward_logits(model, step, hf_cache, step_pos, step_mask)
     got = forward_logits(fast, step, our_cache, step_pos, step_mask)
     torch.testing.assert_close(got[own[:, -1]], want[own[:, -1]], **TOL)
@@ -107,9 +107,9 @@ def test_ragged_batch_with_row_removal_equals_hf():
     keep = torch.tensor([2, 0])
     for cache in (hf_cache, our_cache):
         select_cache_rows(cache, keep)
-    lengths = lengths[keep] + 2
+    lengths = lengths[keep] + 5
     one = torch.randint(0, VOCAB, (2, 1), generator=gen)
-    args = (lengths[:, None], batch_attention_mask(lengths, 14, 1, model.dtype))
+    args = (lengths[:, None], batch_attention_mask(lengths, 17, 1, model.dtype))
     torch.testing.assert_close(
         forward_logits(fast, one, our_cache, *args), forward_logits(model, one, hf_cache, *args), **TOL
     )
