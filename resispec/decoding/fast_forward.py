@@ -88,7 +88,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wx
         flat = x.reshape(rows, x.shape[-1])
         if rows == 1:  # MKL's sgemv streams the weight at half the speed of a two-column sgemm: feed x twice
             flat = flat.repeat(2, 1)
-        elif rows > 8 and (-rows) % 8 <= 3:  # 13-15, 21-23, ... rows: pad with zero rows to a multiple of 8
+        elif rows > 8 and 0 < -rows % 8 <= 3:  # 13-15, 21-23, ... rows: pad with zero rows to a multiple of 8
             flat = F.pad(flat, (0, 0, 0, -rows % 8))
         out = (weight @ flat.T)[:, :rows].T.reshape(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias
