@@ -14,7 +14,8 @@ timed over its whole scheduler cycle (`_cycle`: a newcomer's admission merges it
 leaves wider), as a line in the number of rows weighted towards the row count asked about, and the tokens each row
 emits per step. It drafts at R rows when the model predicts fewer seconds per emitted token for drafting than for
 AR steps at R rows; coming from AR, only below SWITCH_MARGIN (the drafting step after AR steps feeds the draft
-every token it skipped, so flipping back and forth costs). Every pure step at every batch size feeds its mode's
+every token it skipped, so flipping back and forth costs), or below AGAINST_PLAN_MARGIN where the planner found
+that speculation does not pay at that batch size (the online model is noisy; the plan is a second opinion). Every pure step at every batch size feeds its mode's
 model, so a decision is not taken on a handful of steps: the design before compared adjacent steps of the two
 modes per batch-size bucket, and in a 32-request sweep a bucket decided on 1-3 such pairs. Until both modes have
 MIN_SAMPLES steps the planner's plan decides (drafting unless it planned none at that batch size); to measure,
@@ -49,6 +50,10 @@ log = logging.getLogger(__name__)
 EXPLORE_EVERY = 64  # every so many steps at a batch size, the other mode is measured again
 # from AR to drafting only below this ratio (each switch feeds the draft what it skipped)
 SWITCH_MARGIN = 0.95
+# ... and below this one where the planner measured that speculation does not pay at that batch size: one step's
+# time drifts by +-30% within a minute on a shared CPU, and at 16 rows the online model put drafting at parity
+# (ratio 0.99-1.17) while timed steps said 1.15-1.25x dearer per token; it drafted 22-28% of its steps
+AGAINST_PLAN_MARGIN = 0.85
 CLEAR_MARGIN = 1.5  # ... and 4x less often while the model's ratio is beyond this factor either way
 WARMUP_EVERY = 6  # the probing period before the model is ready
 PROBE_STEPS = 3  # steps of the other mode per measurement (the first drafting one pays the draft's catch-up)
@@ -408,7 +413,8 @@ class Scheduler:
             preferred = not self._plan_prefers_ar(size)
         else:  # hysteresis: near a ratio of 1 the noise would flip the mode, and each flip has a cost
             drafting = self._preferred.get(size, not self._plan_prefers_ar(size))
-            preferred = ratio < (1.0 if drafting else SWITCH_MARGIN)
+            margin = AGAINST_PLAN_MARGIN if self._plan_prefers_ar(size) else SWITCH_MARGIN
+            preferred = ratio < (1.0 if drafting else margin)
         self._preferred[size] = preferred
         left = self._probing.get(size, 0)
         if left:

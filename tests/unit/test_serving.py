@@ -580,6 +580,11 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert sched._choose(5) is False  # 0.97 again, but back from AR it takes a ratio below SWITCH_MARGIN
         assert sched._choose(1) is True
         assert sched._choose(8) is False and sched._choose(16) is False
+        sched.predicted_ratio = lambda rows: 0.9  # where the plan says no speculation, drafting must look
+        assert sched._choose(2) is False  # cheaper than AGAINST_PLAN_MARGIN (0.85) to start
+        sched.predicted_ratio = lambda rows: 0.8
+        assert sched._choose(2) is True
+        del sched.predicted_ratio
         # every EXPLORE_EVERY-th step at a batch size, PROBE_STEPS of the other mode
         sched.step_counts[16] = [EXPLORE_EVERY, 0]
         assert [sched._choose(16) for _ in range(PROBE_STEPS + 2)] == [False] + [True] * PROBE_STEPS + [False]
