@@ -128,11 +128,15 @@ def _buffer_name(name: str) -> str:
 
 
 def _in_buffer(layer, name: str) -> tuple[torch.Tensor, int] | None:
-    """(buffer, first column c0) when layer.<name> is the view buf[:B, :, c0 : c0 + L, :] of its buffer, else None."""
+    """(buffer, first column c0) when layer.<name> is the view buf[:B, :, c0 : c0 + L, :] of its buffer, else None.
+    A buffer that no longer holds the tensor (HF's forward concatenated a new one) is released."""
     view, buf = getattr(layer, name, None), getattr(layer, _buffer_name(name), None)
-    if buf is None or view is None or view.numel() == 0 or view.stride() != buf.stride():
+    if buf is None or view is None or view.numel() == 0:
         return None
     if view.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+        setattr(layer, _buffer_name(name), None)
+        return None
+    if view.stride() != buf.stride():
         return None
     if view.shape[0] > buf.shape[0] or view.shape[1] != buf.shape[1] or view.shape[-1] != buf.shape[-1]:
         return None
