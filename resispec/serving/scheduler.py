@@ -18,8 +18,8 @@ every token it skipped, so flipping back and forth costs), or below AGAINST_PLAN
 that speculation does not pay at that batch size (the online model is noisy; the plan is a second opinion). Every
 pure step at every batch size feeds its mode's model, so a decision is not taken on a handful of steps: the design
 before compared adjacent steps of the two modes per batch-size bucket, and in a 32-request sweep a bucket decided
-on 1-3 such pairs. Until both modes have MIN_SAMPLES steps the planner's plan decides (drafting unless it planned none at that batch size); to measure,
-the preferred mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready and every
+on 1-3 such pairs. Until both modes have MIN_SAMPLES steps the planner's plan decides (drafting unless it planned
+none at that batch size); to measure, the preferred mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready and every
 EXPLORE_EVERY-th step after (4x less often while the ratio is beyond CLEAR_MARGIN). A drafting step right after
 steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per batch-size bucket the
 measured medians per mode, the model's ratio at the bucket's size and the share of steps that drafted; an INFO line
