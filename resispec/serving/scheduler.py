@@ -12,19 +12,19 @@ decoder can take a plain autoregressive step for any row (`step(draft=flags)`) a
 scheduler keeps an online cost model of each mode (`StepCostModel`): the seconds of its recent pure steps, each
 timed over its whole scheduler cycle (`_cycle`: a newcomer's admission merges its row into caches that drafting
 leaves wider), as a line in the number of rows weighted towards the row count asked about, and the tokens each row
-emits per step. It drafts at R rows when the model predicts fewer seconds per emitted token for drafting than for
-AR steps at R rows; coming from AR, only below SWITCH_MARGIN (the drafting step after AR steps feeds the draft
-every token it skipped, so flipping back and forth costs), or below AGAINST_PLAN_MARGIN where the planner found
-that speculation does not pay at that batch size (the online model is noisy; the plan is a second opinion). Every
-pure step at every batch size feeds its mode's model, so a decision is not taken on a handful of steps: the design
-before compared adjacent steps of the two modes per batch-size bucket, and in a 32-request sweep a bucket decided
-on 1-3 such pairs. Until both modes have MIN_SAMPLES steps the planner's plan decides (drafting unless it planned
-none at that batch size); to measure, the preferred mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready and every
-EXPLORE_EVERY-th step after (4x less often while the ratio is beyond CLEAR_MARGIN). A drafting step right after
-steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per batch-size bucket the
-measured medians per mode, the model's ratio at the bucket's size and the share of steps that drafted; an INFO line
-every LOG_EVERY steps says the same. Seeded sampled rows always draft (unless `never`), so a seeded request's
-tokens never depend on its neighbours or on the load.
+emits per step. It drafts at R rows when the model predicts fewer seconds per emitted token for drafting than for AR
+steps at R rows; coming from AR, only below SWITCH_MARGIN (the drafting step after AR steps feeds the draft every
+token it skipped, so flipping back and forth costs), or below AGAINST_PLAN_MARGIN where the planner found that
+speculation does not pay at that batch size (the online model is noisy; the plan is a second opinion). Every pure
+step at every batch size feeds its mode's model, so a decision is not taken on a handful of steps: the design before
+compared adjacent steps of the two modes per batch-size bucket, and in a 32-request sweep a bucket decided on 1-3
+such pairs. Until both modes have MIN_SAMPLES steps the planner's plan decides (drafting unless it planned none at
+that batch size); to measure, the preferred mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the
+model is ready and every EXPLORE_EVERY-th step after (4x less often while the ratio is beyond CLEAR_MARGIN). A
+drafting step right after steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per
+batch-size bucket the measured medians per mode, the model's ratio at the bucket's size and the share of steps that
+drafted; an INFO line every LOG_EVERY steps says the same. Seeded sampled rows always draft (unless `never`), so a
+seeded request's tokens never depend on its neighbours or on the load.
 
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
 (running + 1) x the longest worst-case row fits (prompt + max_tokens; on the speculative batch with room for the
