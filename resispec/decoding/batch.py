@@ -84,13 +84,15 @@ class BatchRow:
         return self.finished
 
 
-def _slot_order(old: list[BatchRow], keep: list[BatchRow]) -> list[BatchRow]:
-    """The rows `keep` (a subset of `old`) in the order that moves the fewest cache rows: a row keeps its slot, and
-    the kept rows beyond the new batch size fill the slots of rows that left (select_cache_rows then moves one row
-    per row that left, not every row after it)."""
+def _slot_order(old: list[BatchRow], keep: list[BatchRow], device) -> tuple[list[BatchRow], torch.Tensor]:
+    """The rows `keep` (a subset of `old`) in the order that moves the fewest cache rows, and each one's slot in
+    `old` (the index for select_cache_rows): a row keeps its slot, and the kept rows beyond the new batch size fill
+    the slots of rows that left (so one row moves per row that left, not every row after it)."""
     n, kept = len(keep), {id(r) for r in keep}
     tail = [r for r in old[n:] if id(r) in kept]
-    return [r if id(r) in kept else tail.pop() for r in old[:n]]
+    rows = [r if id(r) in kept else tail.pop() for r in old[:n]]
+    slot = {id(r): i for i, r in enumerate(old)}
+    return rows, torch.tensor([slot[id(r)] for r in rows], dtype=torch.long, device=device)
 
 
 class BatchedDecoder:
@@ -184,11 +186,8 @@ class BatchedDecoder:
     def _keep(self, rows: list[BatchRow]) -> None:
         if len(rows) == len(self.rows):
             return
-        rows = _slot_order(self.rows, rows)
-        index = {id(r): i for i, r in enumerate(self.rows)}
-        select_cache_rows(
-            self.cache, torch.tensor([index[id(r)] for r in rows], dtype=torch.long, device=self.device)
-        )
+        rows, sel = _slot_order(self.rows, rows, self.device)
+        select_cache_rows(self.cache, sel)
         self.rows = rows
         longest = max((r.length for r in rows), default=0)
         trim_cache_left(self.cache, self.num_cols - longest)  # padding no remaining row needs
@@ -413,9 +412,7 @@ class BatchedSpeculativeDecoder:
     def _keep(self, rows: list[BatchRow]) -> None:
         if len(rows) == len(self.rows):
             return
-        rows = _slot_order(self.rows, rows)
-        index = {id(r): i for i, r in enumerate(self.rows)}
-        sel = torch.tensor([index[id(r)] for r in rows], dtype=torch.long, device=self.device)
+        rows, sel = _slot_order(self.rows, rows, self.device)
         self.tcache.keep_rows(sel)
         self.dcache.keep_rows(sel)
         self.rows = rows

@@ -195,16 +195,16 @@ def test_cache_edits_in_the_buffer_equal_plain_tensor_edits():
     cache = new_cache(model)
     ref = [[None, None] for _ in cache.layers]  # the plain tensors the edits should give
 
+    def buffers():
+        return [layer._resispec_keys.data_ptr() for layer in cache.layers]
+
     def check(*, same_buffer_as=None):
         for layer, (k, v) in zip(cache.layers, ref, strict=True):
             torch.testing.assert_close(layer.keys, k, rtol=0, atol=0)
             torch.testing.assert_close(layer.values, v, rtol=0, atol=0)
             assert _in_buffer(layer, "keys") is not None
         if same_buffer_as is not None:
-            assert [layer._resispec_keys.data_ptr() for layer in cache.layers] == same_buffer_as
-
-    def buffers():
-        return [layer._resispec_keys.data_ptr() for layer in cache.layers]
+            assert buffers() == same_buffer_as
 
     def join(t):
         row = prefilled(t)
