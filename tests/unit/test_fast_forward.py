@@ -116,6 +116,32 @@ def test_ragged_batch_with_row_removal_equals_hf():
     _same_caches(our_cache, hf_cache)
 
 
+@pytest.mark.parametrize("arch", ["Llama", "Qwen2"])
+def test_weights_changed_after_the_forward_was_built_are_used(arch):
+    """On CPU the fast forward multiplies by fused COPIES of q/k/v and gate/up: weights edited in place (an optimizer
+    step) or replaced (.to(dtype)) after it was built must still be the ones it uses (Qwen2: the q/k/v biases)."""
+    model = _model(arch, seed=5)
+    fast = fast_forward(model)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+
+    def same():
+        with torch.inference_mode():
+            want = forward_logits(model, ids, new_cache(model))
+            got = forward_logits(fast, ids, new_cache(model))
+        torch.testing.assert_close(got, want, **TOL)
+
+    same()
+    attn, mlp = model.model.layers[-1].self_attn, model.model.layers[0].mlp
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(-2.0)  # in place
+        mlp.up_proj.weight.add_(0.05)
+        if attn.v_proj.bias is not None:
+            attn.v_proj.bias.add_(1.0)
+    same()
+    model.to(torch.float64)  # every parameter replaced
+    same()
+
+
 def test_unsupported_models_run_the_hf_forward():
     gelu = micro_llama(32, 1, VOCAB, seed=0, hidden_act="gelu")
     assert fast_forward(gelu) is gelu and fast_forward(gelu) is gelu
