@@ -229,18 +229,18 @@ class FastCausalLM:
             h = _rms(x, *ln1)
             if self.fuse:
                 qkv = _linear(h, *self._fused[i][0], wxt).reshape(bsz, num_q, heads + 2 * kv_heads, hd)
-                q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=2)
+                qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :]
             else:
                 q = _linear(h, *q_p, wxt).reshape(bsz, num_q, heads, hd)
-                k = _linear(h, *k_p, wxt).reshape(bsz, num_q, kv_heads, hd)
+                qk = torch.cat([q, _linear(h, *k_p, wxt).reshape(bsz, num_q, kv_heads, hd)], dim=2)
                 v = _linear(h, *v_p, wxt).reshape(bsz, num_q, kv_heads, hd)
-            v = v.transpose(1, 2)
             if qk_norm is not None:
-                q, k = _rms(q, *qk_norm[0]), _rms(k, *qk_norm[1])
+                q, k = _rms(qk[:, :, :heads], *qk_norm[0]), _rms(qk[:, :, heads:], *qk_norm[1])
+                qk = torch.cat([q, k], dim=2)
+            qk = _rotate(qk.transpose(1, 2), cos, sin)  # q's and k's heads in one go
             # contiguous: the W @ x^T product leaves rows as the fastest dim, and SDPA's CPU flash kernel needs a
             # contiguous last dim (else the math path: 2-3x the attention time at 16 rows)
-            q = _rotate(q.transpose(1, 2), cos, sin).contiguous()
-            k = _rotate(k.transpose(1, 2), cos, sin)
+            q, k, v = qk[:, :heads].contiguous(), qk[:, heads:], v.transpose(1, 2)
             layer = cache.layers[i]
             if not layer.is_initialized:
                 layer.lazy_initialization(k, v)
