@@ -15,16 +15,17 @@ leaves wider), as a line in the number of rows weighted towards the row count as
 emits per step. It drafts at R rows when the model predicts fewer seconds per emitted token for drafting than for AR
 steps at R rows; coming from AR, only below SWITCH_MARGIN (the drafting step after AR steps feeds the draft every
 token it skipped, so flipping back and forth costs), or below AGAINST_PLAN_MARGIN where the planner found that
-speculation does not pay at that batch size (the online model is noisy; the plan is a second opinion). Every pure
-step at every batch size feeds its mode's model, so a decision is not taken on a handful of steps: the design before
-compared adjacent steps of the two modes per batch-size bucket, and in a 32-request sweep a bucket decided on 1-3
-such pairs. Until both modes have MIN_SAMPLES steps the planner's plan decides (drafting unless it planned none at
-that batch size); to measure, the preferred mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the
-model is ready and every EXPLORE_EVERY-th step after (4x less often while the ratio is beyond CLEAR_MARGIN). A
-drafting step right after steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per
-batch-size bucket the measured medians per mode, the model's ratio at the bucket's size and the share of steps that
-drafted; an INFO line every LOG_EVERY steps says the same. Seeded sampled rows always draft (unless `never`), so a
-seeded request's tokens never depend on its neighbours or on the load.
+speculation does not pay at that batch size (the online model is noisy; the plan is a second opinion), and there it
+goes on drafting only while below AGAINST_PLAN_KEEP. Every pure step at every batch size feeds its mode's model, so
+a decision is not taken on a handful of steps: the design before compared adjacent steps of the two modes per
+batch-size bucket, and in a 32-request sweep a bucket decided on 1-3 such pairs. Until both modes have MIN_SAMPLES
+steps the planner's plan decides (drafting unless it planned none at that batch size); to measure, the preferred
+mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready and every EXPLORE_EVERY-th
+step after (4x less often while the ratio is beyond CLEAR_MARGIN). A drafting step right after steps with AR rows is
+not measured (it carries that catch-up). `cost_table()` shows per batch-size bucket the measured medians per mode,
+the model's ratio at the bucket's size and the share of steps that drafted; an INFO line every LOG_EVERY steps says
+the same. Seeded sampled rows always draft (unless `never`), so a seeded request's tokens never depend on its
+neighbours or on the load.
 
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
 (running + 1) x the longest worst-case row fits (prompt + max_tokens; on the speculative batch with room for the
@@ -54,6 +55,10 @@ SWITCH_MARGIN = 0.95
 # time drifts by +-30% within a minute on a shared CPU, and at 16 rows the online model put drafting at parity
 # (ratio 0.99-1.17) while timed steps said 1.15-1.25x dearer per token; it drafted 22-28% of its steps
 AGAINST_PLAN_MARGIN = 0.85
+# ... and it keeps drafting there only while below this one (not 1.0): at T = 0, 8 rows, the model put drafting at
+# 0.88-0.96 after one dip below 0.85 and drafted 57% of the steps, while one process timing each mode alone found
+# drafting 1.05-1.15x dearer per token and the planner 1.7x (the server gave 0.75x of batched AR's tokens/s)
+AGAINST_PLAN_KEEP = 0.9
 CLEAR_MARGIN = 1.5  # ... and 4x less often while the model's ratio is beyond this factor either way
 WARMUP_EVERY = 6  # the probing period before the model is ready
 PROBE_STEPS = 3  # steps of the other mode per measurement (the first drafting one pays the draft's catch-up)
@@ -413,8 +418,10 @@ class Scheduler:
             preferred = not self._plan_prefers_ar(size)
         else:  # hysteresis: near a ratio of 1 the noise would flip the mode, and each flip has a cost
             drafting = self._preferred.get(size, not self._plan_prefers_ar(size))
-            margin = AGAINST_PLAN_MARGIN if self._plan_prefers_ar(size) else SWITCH_MARGIN
-            preferred = ratio < (1.0 if drafting else margin)
+            if self._plan_prefers_ar(size):  # overruling the plan takes a clear answer, to start and to go on
+                preferred = ratio < (AGAINST_PLAN_KEEP if drafting else AGAINST_PLAN_MARGIN)
+            else:
+                preferred = ratio < (1.0 if drafting else SWITCH_MARGIN)
         self._preferred[size] = preferred
         left = self._probing.get(size, 0)
         if left:

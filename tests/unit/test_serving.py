@@ -584,6 +584,10 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert sched._choose(2) is False  # cheaper than AGAINST_PLAN_MARGIN (0.85) to start
         sched.predicted_ratio = lambda rows: 0.8
         assert sched._choose(2) is True
+        sched.predicted_ratio = lambda rows: 0.88  # ... and below AGAINST_PLAN_KEEP (0.9) to go on
+        assert sched._choose(2) is True
+        sched.predicted_ratio = lambda rows: 0.93
+        assert sched._choose(2) is False
         del sched.predicted_ratio
         # every EXPLORE_EVERY-th step at a batch size, PROBE_STEPS of the other mode
         sched.step_counts[16] = [EXPLORE_EVERY, 0]
