@@ -184,6 +184,9 @@ class FastCausalLM:
         These are copies, so the parameters they came from are remembered with their version counters and the copies
         are rebuilt when any of them was changed in place or replaced (`_stale`)."""
         self._fused, self._fused_from = [], []
+        if self.embed.device.type != "cpu":  # the model was moved (.to("cuda")) after the forward was built
+            self.fuse = False
+            return
         with torch.no_grad():
             for _, (q_p, k_p, v_p, _), _, _, (g_p, u_p, _) in self.layers:
                 self._fused.append((_concat([q_p, k_p, v_p]), _concat([g_p, u_p])))
