@@ -468,14 +468,16 @@ class BatchedSpeculativeDecoder:
             # is the block's last column and only that column goes through the LM head (a newcomer's prompt
             # pads every other row to its length: full logits there cost more than the draft's layers)
             width = max(len(r.pending) for r in rows)
-            ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
-            pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
-            new_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
-            for b, r in enumerate(rows):
-                n = len(r.pending)
-                ids[b, width - n :] = torch.tensor(r.pending, device=dev)
-                pos[b, width - n :] = torch.arange(r.length + 1 - n, r.length + 1, device=dev)
-                new_valid[b, width - n :] = True
+            pad = [width - len(r.pending) for r in rows]
+            ids = torch.tensor([[0] * z + r.pending for r, z in zip(rows, pad, strict=True)], device=dev)
+            pos = torch.tensor(
+                [
+                    [0] * z + list(range(r.length + 1 + z - width, r.length + 1))
+                    for r, z in zip(rows, pad, strict=True)
+                ],
+                device=dev,
+            )
+            new_valid = torch.tensor([[False] * z + [True] * (width - z) for z in pad], device=dev)
             allowed = self.dcache.allowed(width)
             t_old = self.dcache.num_cols
             causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
@@ -513,19 +515,19 @@ class BatchedSpeculativeDecoder:
                     break
                 width = max(len(level) for _, level in feed)
                 t_old = self.dcache.num_cols
-                ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
-                pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
+                ids_l, pos_l = [[0] * width for _ in rows], [[0] * width for _ in rows]
                 allowed = self.dcache.allowed(width)
                 allowed[:, :, t_old:] = torch.eye(width, dtype=torch.bool, device=dev)[
                     None
                 ]  # a node sees itself
                 for b, level in feed:
                     tree, n = trees[b], len(level)
-                    ids[b, :n] = torch.tensor(tree.tokens[level.start : level.stop], device=dev)
-                    pos[b, :n] = rows[b].length + depth
-                    anc = tree.mask(level, range(1, level.start))  # [n, earlier non-root nodes]
-                    for j in range(1, level.start):
-                        allowed[b, :n, node_col[b][j]] |= anc[:, j - 1].to(dev)
+                    ids_l[b][:n] = tree.tokens[level.start : level.stop]
+                    pos_l[b][:n] = [rows[b].length + depth] * n
+                    if level.start > 1:  # the level's ancestors among the earlier non-root nodes
+                        cols = [node_col[b][j] for j in range(1, level.start)]
+                        allowed[b, :n, cols] |= tree.mask(level, range(1, level.start)).to(dev)
+                ids, pos = torch.tensor(ids_l, device=dev), torch.tensor(pos_l, device=dev)
                 logits = forward_logits(
                     self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self._d_dtype)
                 )
@@ -538,30 +540,35 @@ class BatchedSpeculativeDecoder:
         t1 = time.perf_counter()
 
         # ---- verify: ONE target forward over every row's root and tree nodes
+        # (ids and positions built as lists and sent as one tensor each; a root alone needs no mask beyond the
+        # diagonal: per-row tensor ops cost ~10 us each, 16 rows x several per step)
         width = max(t.num_nodes for t in trees)
-        ids = torch.zeros(nb, width, dtype=torch.long, device=dev)
-        pos = torch.zeros(nb, width, dtype=torch.long, device=dev)
+        pad = [[0] * (width - t.num_nodes) for t in trees]
+        ids = torch.tensor([t.tokens + z for t, z in zip(trees, pad, strict=True)], device=dev)
+        pos = torch.tensor(
+            [[d + r.length for d in t.depths] + z for r, t, z in zip(rows, trees, pad, strict=True)],
+            device=dev,
+        )
         t_old = self.tcache.num_cols
         allowed = self.tcache.allowed(width)
         allowed[:, :, t_old:] = torch.eye(width, dtype=torch.bool, device=dev)[None]
-        for b, (r, tree) in enumerate(zip(rows, trees, strict=True)):
+        for b, tree in enumerate(trees):
             n = tree.num_nodes
-            ids[b, :n] = torch.tensor(tree.tokens, device=dev)
-            pos[b, :n] = torch.tensor(tree.depths, device=dev) + r.length
-            allowed[b, :n, t_old : t_old + n] = tree.mask(range(n), range(n)).to(dev)
+            if n > 1:
+                allowed[b, :n, t_old : t_old + n] = tree.mask(range(n), range(n)).to(dev)
         logits = forward_logits(
             self._target_fwd, ids, self.tcache.cache, pos, _additive(allowed, self._t_dtype)
         )
         t2 = time.perf_counter()
+        # temperature-0 rows: argmax p at every node of every row, one op and one host sync for the batch
+        best = logits[:, :, : self.vocab_size].argmax(-1).tolist() if any(greedy_tk) else None
 
         # ---- accept per row, then the bookkeeping that compacts both caches
         t_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
         out = []
         for b, (r, tree) in enumerate(zip(rows, trees, strict=True)):
             if greedy_tk[b]:  # temperature 0: argmax p at every node, the walk of the lean step
-                run, accepted = walk_greedy(
-                    tree, logits[b, : tree.num_nodes, : self.vocab_size].argmax(-1).tolist()
-                )
+                run, accepted = walk_greedy(tree, best[b][: tree.num_nodes])
             else:  # the lean step's walk (same randomness as a row decoded alone)
 
                 def p_at(node: int, b: int = b, r: BatchRow = r) -> torch.Tensor:

@@ -144,6 +144,38 @@ def test_batched_spec_greedy_rows_equal_alone_and_hf(setup, tree):
     assert bs.tcache.num_cols == 0 and bs.dcache.num_cols == 0  # everything released
 
 
+@pytest.mark.parametrize("tree", [(1, 1, 1), (2, 2, 1)])
+def test_batched_spec_target_as_its_own_draft_accepts_every_level(setup, tree):
+    """The target drafting for itself, greedy: every level of every row's tree is accepted (the walk only stops at
+    the leaf, or where max_new_tokens cuts the tree). Exactness cannot see the draft's side of a step (a draft
+    that attends to the wrong nodes only lowers acceptance); this can: the draft's per-row masks over the
+    earlier levels (a node sees its ancestors; tried: dropping them fails this test). Positions off by one go
+    unnoticed on this random model: RoPE shifts matter little to it."""
+    _, _, prompts = setup
+    target = micro_llama(64, 2, VOCAB, seed=4)
+    with (
+        torch.no_grad()
+    ):  # attention that matters: a bigram-like random model would not notice a missing parent
+        for layer in target.model.layers:
+            layer.self_attn.v_proj.weight.mul_(4.0)
+            layer.self_attn.o_proj.weight.mul_(4.0)
+    dec = SpeculativeDecoder(target, target, rule="resispec", tree=list(tree))
+    bs = BatchedSpeculativeDecoder.from_decoder(dec)
+    rows = [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts[:3]]
+    for _ in range(2):
+        bs.step()
+    rows += [
+        bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts[3:]
+    ]  # newcomers
+    while bs.rows:
+        bs.step()
+    for row in rows:
+        s = row.stats
+        assert s.num_drafts > 0
+        # every step but the last (cut by max_new_tokens) accepts all len(tree) levels
+        assert s.num_accepted_tokens >= len(tree) * (s.num_drafts - 1), (s.num_accepted_tokens, s.num_drafts)
+
+
 @pytest.mark.parametrize("rule", sorted(VERIFIERS))
 def test_batched_spec_greedy_every_rule(setup, rule):
     """The rule itself on one-hot p and q (greedy_topk=False), a branching tree."""
