@@ -158,7 +158,7 @@ class FastCausalLM:
             + (layer.mlp.gate_proj, layer.mlp.up_proj)
         )
         self.fuse = next(model.parameters()).device.type == "cpu" and fused_bytes <= FUSE_MAX_BYTES
-        self._fused: list = []  # per layer (qkv, gate_up): fused (weight, bias) or None, see _fuse
+        self._fused: list = []  # per layer: (fused q/k/v, fused gate/up), each a (weight, bias); see _fuse
         self._fused_from: list = []  # the parameters the fused copies were made from, with their versions
         self.layers = []
         for layer in base.layers:
