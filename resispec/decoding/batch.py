@@ -543,10 +543,10 @@ class BatchedSpeculativeDecoder:
         # (ids and positions built as lists and sent as one tensor each; a root alone needs no mask beyond the
         # diagonal: per-row tensor ops cost ~10 us each, 16 rows x several per step)
         width = max(t.num_nodes for t in trees)
-        pad = [[0] * (width - t.num_nodes) for t in trees]
-        ids = torch.tensor([t.tokens + z for t, z in zip(trees, pad, strict=True)], device=dev)
+        tails = [[0] * (width - t.num_nodes) for t in trees]  # each row's padding after its nodes
+        ids = torch.tensor([t.tokens + z for t, z in zip(trees, tails, strict=True)], device=dev)
         pos = torch.tensor(
-            [[d + r.length for d in t.depths] + z for r, t, z in zip(rows, trees, pad, strict=True)],
+            [[d + r.length for d in t.depths] + z for r, t, z in zip(rows, trees, tails, strict=True)],
             device=dev,
         )
         t_old = self.tcache.num_cols

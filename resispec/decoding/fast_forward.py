@@ -151,15 +151,6 @@ class FastCausalLM:
         attn0 = base.layers[0].self_attn
         self.head_dim = attn0.head_dim
         self.scaling = attn0.scaling
-        fused_bytes = sum(
-            p.weight.numel() * p.weight.element_size()
-            for layer in base.layers
-            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
-            + (layer.mlp.gate_proj, layer.mlp.up_proj)
-        )
-        self.fuse = next(model.parameters()).device.type == "cpu" and fused_bytes <= FUSE_MAX_BYTES
-        self._fused: list = []  # per layer: (fused q/k/v, fused gate/up), each a (weight, bias); see _fuse
-        self._fused_from: list = []  # the parameters the fused copies were made from, with their versions
         self.layers = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -175,6 +166,14 @@ class FastCausalLM:
                     [(p.weight, p.bias) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)],
                 )
             )
+        fused_bytes = sum(
+            w.numel() * w.element_size()
+            for _, (q_p, k_p, v_p, _), _, _, (g_p, u_p, _) in self.layers
+            for w, _ in (q_p, k_p, v_p, g_p, u_p)
+        )
+        self.fuse = fused_bytes <= FUSE_MAX_BYTES  # and on CPU only: _fuse turns it off elsewhere
+        self._fused: list = []  # per layer: (fused q/k/v, fused gate/up), each a (weight, bias); see _fuse
+        self._fused_from: list = []  # the parameters the fused copies were made from, with their versions
         if self.fuse:
             self._fuse()
 
@@ -184,7 +183,7 @@ class FastCausalLM:
         These are copies, so the parameters they came from are remembered with their version counters and the copies
         are rebuilt when any of them was changed in place or replaced (`_stale`)."""
         self._fused, self._fused_from = [], []
-        if self.embed.device.type != "cpu":  # the model was moved (.to("cuda")) after the forward was built
+        if self.embed.device.type != "cpu":  # on CUDA, or moved there after the forward was built
             self.fuse = False
             return
         with torch.no_grad():

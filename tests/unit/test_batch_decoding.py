@@ -153,9 +153,8 @@ def test_batched_spec_target_as_its_own_draft_accepts_every_level(setup, tree):
     unnoticed on this random model: RoPE shifts matter little to it."""
     _, _, prompts = setup
     target = micro_llama(64, 2, VOCAB, seed=4)
-    with (
-        torch.no_grad()
-    ):  # attention that matters: a bigram-like random model would not notice a missing parent
+    # attention that matters: a bigram-like random model would not notice a missing parent
+    with torch.no_grad():
         for layer in target.model.layers:
             layer.self_attn.v_proj.weight.mul_(4.0)
             layer.self_attn.o_proj.weight.mul_(4.0)
@@ -164,9 +163,8 @@ def test_batched_spec_target_as_its_own_draft_accepts_every_level(setup, tree):
     rows = [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts[:3]]
     for _ in range(2):
         bs.step()
-    rows += [
-        bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts[3:]
-    ]  # newcomers
+    # newcomers: their prompts reach the draft as the left-padded catch-up block of a running batch
+    rows += [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts[3:]]
     while bs.rows:
         bs.step()
     for row in rows:
