@@ -7,14 +7,16 @@
 Model (Sequoia's idea restricted to per-depth branching): a tree [b_1, ..., b_D] accepts depth d with probability
 prod_{j <= d} alpha(b_j), so the expected accepted length is tau = 1 + sum_d prod_{j <= d} alpha(b_j); one step
 costs the draft forwards (depth 0 feeds one token, depth d < D feeds the b_1 ... b_d nodes of level d), the target
-forward over all 1 + sum_d prod_{j <= d} b_j nodes, and a measured per-step host overhead. Speedup = tau / step
-time, over the AR cost of one target token. A chain is one candidate among the others: where chains pay more, the
-planner returns a chain. alpha is measured per number of draws at held-out positions of the target's own
-continuations (closed form where the rule has one, else Monte Carlo through the rule's propose/verify).
+forward over all 1 + sum_d prod_{j <= d} b_j nodes, and a measured host overhead (per step; with many rows, per
+tree node too). Speedup = tau / step time, over the AR cost of one target token. A chain is one candidate among
+the others: where chains pay more, the planner returns a chain. alpha is measured per number of draws at held-out
+positions of the target's own continuations (closed form where the rule has one, else Monte Carlo through the
+rule's propose/verify).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
@@ -33,6 +35,10 @@ from resispec.verify.estimate import monte_carlo_alpha
 
 NODE_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32)
 BATCH_NODE_GRID = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row timed at batch sizes > 1
+# the tree whose steps measure the host overhead, with the one-node chain for the part per node; at 4 rows
+# of the tiny world its 10 nodes a row cost ~24 ms a step beyond the forwards and a one-node chain's ~5 ms: charged
+# to every candidate, that one figure planned "no speculation" at every batch size > 1
+OVERHEAD_TREE = (2, 2, 1)
 
 
 @dataclass
@@ -42,6 +48,8 @@ class CostModel:
     target_ms: dict[int, float]
     draft_ms: dict[int, float]
     overhead_ms: float = 0.0
+    # ... and per tree node of a row (batched steps: holey caches widen attention, each node is bookkept)
+    overhead_per_node_ms: float = 0.0
     # ms to propose and verify one node by number of draws (sampled decoding; empty at temperature 0, where the
     # walk is one argmax): a walk verifies depth d only when it reaches d, see verify_cost
     verify_ms: dict[int, float] = field(default_factory=dict)
@@ -72,6 +80,7 @@ class CostModel:
             sum(self.draft(w) for w in widths)
             + self.target(1 + max_tree_nodes(list(tree)))
             + self.overhead_ms
+            + self.overhead_per_node_ms * max_tree_nodes(list(tree))
         )
 
     def verify_cost(self, tree: Sequence[int], alpha: dict[int, float]) -> float:
@@ -104,6 +113,58 @@ class Plan:
         return asdict(self)
 
 
+class ForwardProbe:
+    """One cached forward of `model` over n new tokens per row (n <= longest) after a fixed random prefix of
+    `prefix_len` tokens, under a tree-style 4D mask, with `batch` rows; the cache is cropped back to the prefix
+    after each, so every call times the same work. What forward_table times, and the drift reference of the
+    overhead measurements (measure_overhead, measure_batch_overhead)."""
+
+    @torch.inference_mode()
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch: int = 1,
+        longest: int = 1,
+        prefix_len: int = 64,
+        vocab: int | None = None,
+    ) -> None:
+        self.dev = next(model.parameters()).device
+        vocab = vocab or model.config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        prefix = torch.randint(0, vocab, (batch, prefix_len), generator=gen).to(self.dev)
+        self.ids = torch.randint(0, vocab, (batch, longest), generator=gen).to(self.dev)
+        self.pos = torch.arange(prefix_len, prefix_len + longest, device=self.dev)[None].expand(batch, -1)
+        self.batch, self.prefix_len, self.dtype = batch, prefix_len, model.dtype
+        self.masks: dict[int, torch.Tensor | None] = {}
+        self.cache = new_cache(model)
+        self.model = fast_forward(model)  # the decoder's forward (its default), not the HF module's
+        forward_logits(self.model, prefix, self.cache, logits_to_keep=1)
+
+    def _mask(self, n: int) -> torch.Tensor | None:
+        if n not in self.masks:
+            causal = torch.tril(torch.ones(n, n, dtype=torch.bool, device=self.dev))
+            self.masks[n] = (
+                tree_attention_mask(self.prefix_len, causal, self.dtype).expand(self.batch, -1, -1, -1)
+                if n > 1 or self.batch > 1
+                else None
+            )
+        return self.masks[n]
+
+    @torch.inference_mode()
+    def seconds(self, n: int = 1) -> float:
+        """Run the forward over n tokens per row -> its wall-clock seconds (device-synchronised)."""
+        mask = self._mask(n)
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+        t0 = time.perf_counter()
+        forward_logits(self.model, self.ids[:, :n], self.cache, self.pos[:, :n], mask)
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+        dt = time.perf_counter() - t0
+        crop_cache(self.cache, self.prefix_len)  # back to the prefix: every forward extends the same prefix
+        return dt
+
+
 @torch.inference_mode()
 def forward_table(
     model: torch.nn.Module,
@@ -122,42 +183,16 @@ def forward_table(
     other model in between. It matters for a small draft: timed back to back its weights stay in the CPU caches
     (0.24 ms per forward for the tiny world's draft), in a decode step the target's forward has evicted them
     (1.0 ms). Without it the difference lands in the measured host overhead instead of the draft's cost."""
-    dev = next(model.parameters()).device
-    vocab = vocab or model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    longest = max(nodes)
-    prefix = torch.randint(0, vocab, (batch, prefix_len), generator=gen).to(dev)
-    ids = torch.randint(0, vocab, (batch, longest), generator=gen).to(dev)
-    pos = torch.arange(prefix_len, prefix_len + longest, device=dev)[None].expand(batch, -1)
-    masks = {
-        n: tree_attention_mask(
-            prefix_len, torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)), model.dtype
-        ).expand(batch, -1, -1, -1)
-        if n > 1 or batch > 1
-        else None
-        for n in nodes
-    }
-    cache = new_cache(model)
-    model = fast_forward(model)  # the decoder's forward (its default), not the HF module's
-    forward_logits(model, prefix, cache, logits_to_keep=1)
-    if between is not None:
-        other_cache, other = new_cache(between), fast_forward(between)
-        forward_logits(other, prefix, other_cache, logits_to_keep=1)
+    probe = ForwardProbe(model, batch, max(nodes), prefix_len, vocab)
+    other = None if between is None else ForwardProbe(between, batch, 1, prefix_len, vocab)
     times: dict[int, list[float]] = {n: [] for n in nodes}
     for rnd in range(reps + 1):  # round 0 is a warm-up
         for n in nodes:
-            if between is not None:
-                forward_logits(other, ids[:, :1], other_cache, pos[:, :1], masks[1] if batch > 1 else None)
-                crop_cache(other_cache, prefix_len)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            forward_logits(model, ids[:, :n], cache, pos[:, :n], masks[n])
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            if other is not None:
+                other.seconds(1)
+            dt = probe.seconds(n)
             if rnd:
-                times[n].append(time.perf_counter() - t0)
-            crop_cache(cache, prefix_len)  # back to the prefix: every forward extends the same cached prefix
+                times[n].append(dt)
     return {n: 1e3 * statistics.median(times[n]) for n in nodes}
 
 
@@ -197,13 +232,14 @@ def measure_overhead(
     prompt: Sequence[int],
     sampling: dict,
     cost: CostModel,
-    tree: Sequence[int] = (2, 2, 1),
+    tree: Sequence[int] = OVERHEAD_TREE,
     max_new_tokens: int = 32,
     alpha: dict[int, float] | None = None,
 ) -> float:
     """Host ms per speculative step beyond the forwards (and, given alpha, the verification) that the cost model
     predicts: one short decode of `prompt`, timed from its second step (the first carries the prompt's prefill on
-    both models, which is not a step's cost: counted in, it made every plan ~10% pessimistic on the tiny world)."""
+    both models, which is not a step's cost: counted in, it made every plan ~10% pessimistic on the tiny world),
+    at the speed the cost model's tables were measured at (`_drift`)."""
     from resispec.decoding.engine import SpeculativeDecoder
     from resispec.verify import build_rule
 
@@ -216,11 +252,27 @@ def measure_overhead(
     stream = dec.generate_stream(ids, **kwargs)
     stats = dec.last_stats
     next(stream)  # the prefill and the first step
-    first, t0 = stats.num_drafts, time.perf_counter()
-    for _ in stream:
-        pass
-    step_ms = 1e3 * (time.perf_counter() - t0) / max(stats.num_drafts - first, 1)
-    return _beyond_prediction(step_ms, cost, tree, alpha)
+    probe, seconds, references = ForwardProbe(target), 0.0, []
+    first = stats.num_drafts
+    while True:
+        t0 = time.perf_counter()
+        if next(stream, None) is None:
+            break
+        seconds += time.perf_counter() - t0
+        references.append(probe.seconds(1))
+    step_ms = 1e3 * seconds / max(stats.num_drafts - first, 1)
+    return _beyond_prediction(step_ms * _drift(cost, references), cost, tree, alpha)
+
+
+def _drift(cost: CostModel, references: Sequence[float]) -> float:
+    """The factor that brings times measured now to the speed of `cost`'s tables: their one-token target forward
+    over the same forward timed now (`references`, seconds, between the measured steps). On a shared CPU the
+    speed drifts by +-30% within a minute; unscaled, a step timed in a slow minute against tables from a fast one
+    came out as up to 35 ms of "host overhead" at 16 rows (and 0 in the next run), so the plan flipped between
+    trees and no speculation from one start-up to the next. 1 when the tables hold no time (tests)."""
+    table = cost.target(1)
+    now = 1e3 * statistics.median(references) if references else 0.0
+    return table / now if table > 0 and now > 0 else 1.0
 
 
 def _beyond_prediction(
@@ -242,8 +294,8 @@ def measure_batch_overhead(
     sampling: dict,
     cost: CostModel,
     rows: int,
-    tree: Sequence[int] = (2, 2, 1),
-    steps: int = 8,
+    tree: Sequence[int] = OVERHEAD_TREE,
+    steps: int = 12,
     alpha: dict[int, float] | None = None,
 ) -> float:
     """Host ms per step of the batched speculative decoder with `rows` rows beyond what `cost` (forwards timed at
@@ -264,10 +316,14 @@ def measure_batch_overhead(
             **settings,
         )
     dec.step()  # warm-up (the draft's prefill is folded into a row's first step)
-    t0 = time.perf_counter()
+    probe, seconds, references = ForwardProbe(target, rows), 0.0, []
     for _ in range(steps):
+        t0 = time.perf_counter()
         dec.step()
-    return _beyond_prediction(1e3 * (time.perf_counter() - t0) / steps, cost, tree, alpha)
+        seconds += time.perf_counter() - t0
+        references.append(probe.seconds(1))
+    step_ms = 1e3 * seconds / steps
+    return _beyond_prediction(step_ms * _drift(cost, references), cost, tree, alpha)
 
 
 @torch.inference_mode()
@@ -453,19 +509,17 @@ class Planner:
             cost.verify_ms = measure_verify_ms(
                 rule_obj, vocab, max(alpha), device=next(draft.parameters()).device
             )
-        cost.overhead_ms = measure_overhead(
-            self.target, draft, rule_obj, self.prompts[0], settings, cost, alpha=alpha
-        )
         plans = {}
         for b in batch_sizes:
             at_b = self.cost_for(draft, b)
             at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
-            at_b.overhead_ms = (
-                cost.overhead_ms
-                if b == 1
-                else measure_batch_overhead(
-                    self.target, draft, rule_obj, self.prompts[0], settings, at_b, b, alpha=alpha
-                )
+            # per step and per node: timed with the one-node chain and a wider tree
+            measure = measure_overhead if b == 1 else functools.partial(measure_batch_overhead, rows=b)
+            small, wide = (
+                measure(self.target, draft, rule_obj, self.prompts[0], settings, at_b, tree=tree, alpha=alpha)
+                for tree in ((1,), OVERHEAD_TREE)
             )
+            at_b.overhead_per_node_ms = max(wide - small, 0.0) / (max_tree_nodes(list(OVERHEAD_TREE)) - 1)
+            at_b.overhead_ms = max(small - at_b.overhead_per_node_ms, 0.0)
             plans[b] = plan_tree(at_b, alpha)
         return plans

@@ -211,6 +211,57 @@ def test_batch_overhead_is_measured_at_the_batch_size(micro_pair):
         )
 
 
+def test_batch_overhead_is_split_into_per_step_and_per_node(micro_pair, monkeypatch):
+    """With many rows a tree's host work grows with its nodes (wider holey caches, per-node bookkeeping): the
+    planner times the one-node chain and OVERHEAD_TREE and charges each candidate its share, so a chain is not
+    billed for the wide tree's overhead (one figure from (2, 2, 1), charged to all, planned "no speculation" at
+    every batch size > 1 on the tiny world)."""
+    from resispec.decoding import planner as planner_mod
+
+    seen = []
+
+    def fake(target, draft, rule, prompt, sampling, cost, rows, tree=planner_mod.OVERHEAD_TREE, **kw):
+        seen.append((rows, tuple(tree)))
+        return 5.0 if tuple(tree) == (1,) else 5.0 + 3.0 * (max_tree_nodes(list(tree)) - 1)
+
+    planned = []
+    monkeypatch.setattr(planner_mod, "measure_batch_overhead", fake)
+    monkeypatch.setattr(
+        planner_mod, "plan_tree", lambda cost, alpha: planned.append(cost) or plan_tree(cost, alpha)
+    )
+    target, draft = micro_pair
+    with single_thread():
+        planner = Planner(target, [[1, 2, 3, 4, 5, 6]], continuation_tokens=8)
+        planner.choose_by_batch(draft, "chain", {"temperature": 0.0}, [1, 4])
+    assert seen == [(4, (1,)), (4, planner_mod.OVERHEAD_TREE)]
+    four = planned[1]
+    assert four.overhead_ms == pytest.approx(2.0) and four.overhead_per_node_ms == pytest.approx(3.0)
+    plain = CostModel(four.target_ms, four.draft_ms)
+    for tree in ([1], [2, 2, 1], [4, 2, 1, 1]):
+        assert four.step_ms(tree) - plain.step_ms(tree) == pytest.approx(2.0 + 3.0 * max_tree_nodes(tree))
+
+
+def test_overhead_is_scaled_to_the_speed_of_the_tables(micro_pair, monkeypatch):
+    """A step timed while the machine runs at half the speed the forward tables were measured at counts at the
+    tables' speed: the one-token target forward timed between the steps gives the factor."""
+    from resispec.decoding import planner as planner_mod
+
+    cost = CostModel({1: 10.0}, {1: 1.0})
+    assert planner_mod._drift(cost, [0.020, 0.021, 0.019]) == pytest.approx(0.5)
+    assert planner_mod._drift(cost, []) == 1.0
+    assert planner_mod._drift(CostModel({1: 0.0}, {1: 0.0}), [0.02]) == 1.0
+    target, draft = micro_pair
+    prompt = [1, 2, 3, 4, 5]
+    tiny = CostModel({n: 1e-6 for n in NODES}, {n: 1e-6 for n in NODES})  # forwards predicted ~free
+    with single_thread():
+        # the reference forward timed at the tables' speed, then 4x slower: the same steps count a quarter
+        monkeypatch.setattr(planner_mod.ForwardProbe, "seconds", lambda self, n=1: 1e-9)
+        same = measure_batch_overhead(target, draft, "chain", prompt, {"temperature": 0.0}, tiny, 2, steps=4)
+        monkeypatch.setattr(planner_mod.ForwardProbe, "seconds", lambda self, n=1: 4e-9)
+        slow = measure_batch_overhead(target, draft, "chain", prompt, {"temperature": 0.0}, tiny, 2, steps=4)
+    assert 0 < slow < same / 2
+
+
 def test_overhead_leaves_out_the_prefill(micro_pair, monkeypatch):
     """measure_overhead times the steps after the first: the first carries the prompt's prefill on both models. A
     decoder whose first chunk takes 300 ms and every later step 10 ms measures ~10 ms a step, not ~40."""
