@@ -352,17 +352,17 @@ def compare_in_process(
 
     # as the real server: a core left to the event loop (and to this load generator)
     serving_threads(ServerConfig(), spare_core=True)
-    trees_by_batch = None
+    plans = None
     if decode.planned and decode.rule not in AR_RULES:  # tree=auto: plan once, every mode serves that plan
         calibration = [encode_text(tokenizer, p) for p in prompts[: max(decode.plan_prompts, 1)]]
         sizes = batch_buckets(max(bench.concurrencies or [bench.concurrency]))
-        trees_by_batch = off_main_thread(planned_trees, target, draft, decode, calibration, sizes)
+        plans = off_main_thread(planned_trees, target, draft, decode, calibration, sizes)
     results, costs = [], {}
     for label, overrides in (modes or serving_modes()).items():
         overrides = dict(overrides)
         dec = replace(decode, rule=overrides.pop("rule", decode.rule))
         server = ServerConfig(model_name="resispec", log_level="warning", **overrides)
-        engine = build_engine(target, draft, tokenizer, dec, server, trees_by_batch=trees_by_batch)
+        engine = build_engine(target, draft, tokenizer, dec, server, plans=plans)
         app = create_app(engine, tokenizer, server, dec, max_model_len=max_model_len)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -389,9 +389,12 @@ def compare_in_process(
         for b, c in table.items()
     ]
     planned = (
-        "planned trees by batch size (decode.tree=auto; none = the planner predicts no gain): "
-        + ", ".join(f"{b}: {t or 'none'}" for b, t in trees_by_batch.items())
-        if trees_by_batch
+        "planned trees by batch size (decode.tree=auto; none = the planner predicts no gain), "
+        + "; ".join(
+            f"{label} rows: " + ", ".join(f"{b}: {t or 'none'}" for b, t in plan.items())
+            for label, plan in zip(("sampled", "greedy"), plans, strict=True)
+        )
+        if plans
         else f"tree {decode.tree} at every batch size"
     )
     cost_md = "\n".join(

@@ -9,7 +9,8 @@ Paths a request can take:
 
 Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
 decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
-scheduler keeps an online cost model of each mode (`StepCostModel`): the seconds of its recent pure steps, each
+scheduler keeps an online cost model of each mode (`StepCostModel`; per drafted tree and, as greedy rows accept
+more, per class: every row greedy or not): the seconds of its recent pure steps, each
 timed over its whole scheduler cycle (`_cycle`: a newcomer's admission merges its row into caches that drafting
 leaves wider), as a line in the number of rows weighted towards the row count asked about, and the tokens each row
 emits per step. It drafts at R rows when the model predicts fewer seconds per emitted token for drafting than for AR
@@ -24,8 +25,9 @@ mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model i
 step after (4x less often while the ratio is beyond CLEAR_MARGIN). A drafting step right after steps with AR rows is
 not measured (it carries that catch-up). `cost_table()` shows per batch-size bucket the measured medians per mode,
 the model's ratio at the bucket's size and the share of steps that drafted; an INFO line every LOG_EVERY steps says
-the same. Seeded sampled rows always draft (unless `never`), so a seeded request's tokens never depend on its
-neighbours or on the load.
+the same. Under decode.tree=auto the plan has two halves: a batch of greedy rows drafts the tree planned at
+temperature 0 (`greedy_trees_by_batch`), any other batch the tree planned at the sampled temperature. Seeded sampled
+rows always draft (unless `never`), so a seeded request's tokens never depend on its neighbours or on the load.
 
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
 (running + 1) x the longest worst-case row fits (prompt + max_tokens; on the speculative batch with room for the
@@ -167,10 +169,17 @@ class Scheduler:
         self.kv_budget, self.max_queue = kv_budget, max_queue
         self.speculative = bool(getattr(engine, "speculative", False))
         self.spec_batch = self.batched is not None and getattr(self.batched, "draft", None) is not None
-        # batch-size bucket -> planned tree, None = do not speculate (decode.tree=auto); empty = the engine's tree
+        # batch-size bucket -> planned tree, None = do not speculate (decode.tree=auto); empty = the engine's tree.
+        # Sampled rows' plan, and greedy rows' (planned at temperature 0; absent: the same plan)
         self.trees_by_batch = getattr(engine, "trees_by_batch", None) or {}
+        greedy = getattr(engine, "greedy_trees_by_batch", None)
+        self.greedy_trees_by_batch = self.trees_by_batch if greedy is None else greedy
+        self._greedy_batch = (
+            False  # whether the last step's rows were all greedy (cost_table reports that plan)
+        )
         self.samples: dict[tuple[str, int], deque] = {}  # (mode, batch size) -> seconds per token
-        # "ar", or the drafted tree as a tuple -> that mode's cost model
+        # "ar", or (the drafted tree as a tuple, all rows greedy) -> that mode's cost model (greedy and sampled
+        # rows accept differently: the tokens a step emits are part of the model)
         self.models: dict[Any, StepCostModel] = {}
         self.step_counts: dict[int, list[int]] = {}  # batch size -> [steps, steps in which every row drafted]
         # batch size -> the mode the policy last preferred (True: draft)
@@ -179,7 +188,10 @@ class Scheduler:
         self._steps = 0  # batch steps taken
         # the last step had rows that did not draft (the next drafting step catches up)
         self._ar_rows_before = False
-        self._pure: tuple | None = None  # (drafted, rows, tokens) of this cycle's pure step, for _cycle
+        self._pure: tuple | None = (
+            None  # (drafted, rows, tokens, greedy) of this cycle's pure step, for _cycle
+        )
+        self._prefill_seconds = 0.0  # the target prefills of this cycle's newcomers (left out of its cost)
         self.peak_running = 0  # most requests decoded together so far
         self.waiting: deque = deque()
         self.tasks: list[_Task] = []
@@ -265,15 +277,18 @@ class Scheduler:
         return (len(self.tasks) + 1) * longest <= self.kv_budget
 
     def _cycle(self) -> None:
-        """Admit, step, emit. A pure batch step is measured over the whole cycle: the newcomer's admission (its
-        prefill, and merging its row into caches that drafting leaves wider, with holes) and the hand-off of the
-        chunks are costs of the mode too; a cycle that admits a whole wave at once is not measured."""
+        """Admit, step, emit. A pure batch step is measured over the whole cycle: the newcomer's admission (merging
+        its row into caches that drafting leaves wider, with holes) and the hand-off of the chunks are costs of the
+        mode too. Its target prefill is not: both modes pay it alike, and at 50 ms (a 65-token prompt, one core)
+        against 12-25 ms steps at one row, it was noise in the mode that happened to step next. A cycle that
+        admits a whole wave at once is not measured."""
         t0 = time.perf_counter()
+        self._prefill_seconds = 0.0
         admitted = self._admit()
         self._pure = None
         self._step()
         if self._pure is not None and admitted <= 1:
-            self._measure(*self._pure, time.perf_counter() - t0)
+            self._measure(*self._pure, time.perf_counter() - t0 - self._prefill_seconds)
 
     def _admit(self) -> int:
         """Admit waiting jobs that fit: all that fit when nothing runs, else one per step boundary. -> how many."""
@@ -305,6 +320,7 @@ class Scheduler:
                 task.generator = self.engine.generator(job.params)
                 task.row = self._add_row(task)
                 task.stats = task.row.stats
+                self._prefill_seconds += task.stats.target_seconds  # so far only its prefill
         except BaseException as exc:
             log.exception("admission failed")
             self._finish(task, exc)
@@ -363,8 +379,10 @@ class Scheduler:
             return self.batched.step()
         rows_before = len(self.batched.rows)
         size = _bucket(rows_before)
-        mode = self._choose(rows_before)
-        drafting = self.tree_at(size) if mode else False  # the tree rows draft this step (False: AR step)
+        # a batch of greedy rows drafts the greedy plan; one sampled row makes every row draft the sampled plan
+        greedy = self._greedy_batch = all(r.greedy for r in self.batched.rows)
+        mode = self._choose(rows_before, greedy)
+        drafting = self.tree_at(size, greedy) if mode else False  # the tree rows draft this step (False: AR)
         # seeded sampled rows always draft the engine's own tree: their tokens never depend on the load
         flags = [
             True if self.speculation != "never" and _seeded(rows[id(r)].job.params) else drafting
@@ -374,7 +392,7 @@ class Scheduler:
         tokens = sum(len(chunk) for _, chunk in out)
         catching_up = self._ar_rows_before and bool(drafting)
         if tokens and all(f is drafting for f in flags) and not catching_up:  # a pure step measures its mode
-            self._pure = (drafting, rows_before, tokens)  # _cycle measures it
+            self._pure = (drafting, rows_before, tokens, greedy)  # _cycle measures it
         self._ar_rows_before = not all(flags)
         counts = self.step_counts.setdefault(size, [0, 0])
         counts[0] += 1
@@ -388,37 +406,44 @@ class Scheduler:
         """bucket: drafted share of its steps, the model's ratio there (drafting / AR seconds per token)."""
         parts = []
         for size in sorted(self.step_counts):
-            ratio, share = self.predicted_ratio(size), self._drafted_share(size)
+            ratio, share = self.predicted_ratio(size, self._greedy_batch), self._drafted_share(size)
             parts.append(
                 f"{size} rows: drafted {share:.0%}, ratio {'-' if ratio is None else format(ratio, '.2f')}"
             )
         return "; ".join(parts)
 
-    def tree_at(self, size: int):
-        """The tree speculative steps draft at this batch-size bucket: the planner's tree for the bucket when the
-        engine was planned per batch size (`trees_by_batch`, decode.tree=auto), else True (the engine's tree).
-        Where the plan says not to speculate, exploring steps draft a one-token chain, the cheapest speculation (the
-        engine's batch-1 tree may be far dearer at many rows, and a probe's cost is paid whatever it shows)."""
-        if size not in self.trees_by_batch:
+    def _plan(self, greedy: bool) -> dict:
+        return self.greedy_trees_by_batch if greedy else self.trees_by_batch
+
+    def tree_at(self, size: int, greedy: bool = False):
+        """The tree speculative steps draft at this batch-size bucket: the planner's tree for the bucket (greedy
+        rows' plan when `greedy`) when the engine was planned per batch size (`trees_by_batch`, decode.tree=auto),
+        else True (the engine's tree). Where the plan says not to speculate, exploring steps draft a one-token
+        chain, the cheapest speculation (the engine's batch-1 tree may be far dearer at many rows, and a probe's
+        cost is paid whatever it shows)."""
+        plan = self._plan(greedy)
+        if size not in plan:
             return True
-        planned = self.trees_by_batch[size]
+        planned = plan[size]
         return tuple(planned) if planned else (1,)
 
-    def _plan_prefers_ar(self, size: int) -> bool:
-        return size in self.trees_by_batch and not self.trees_by_batch[size]
+    def _plan_prefers_ar(self, size: int, greedy: bool = False) -> bool:
+        plan = self._plan(greedy)
+        return size in plan and not plan[size]
 
-    def _choose(self, rows: int) -> bool:
-        """Draft this step, with `rows` rows? The adaptive policy (module docstring)."""
+    def _choose(self, rows: int, greedy: bool = False) -> bool:
+        """Draft this step, with `rows` rows (all greedy: `greedy`)? The adaptive policy (module docstring)."""
         if self.speculation != "auto":
             return self.speculation == "always"
         size = _bucket(rows)
         steps = self.step_counts.get(size, (0, 0))[0] + 1  # counting this one
-        ratio = self.predicted_ratio(rows)
+        ratio = self.predicted_ratio(rows, greedy)
+        against_plan = self._plan_prefers_ar(size, greedy)
         if ratio is None:
-            preferred = not self._plan_prefers_ar(size)
+            preferred = not against_plan
         else:  # hysteresis: near a ratio of 1 the noise would flip the mode, and each flip has a cost
-            drafting = self._preferred.get(size, not self._plan_prefers_ar(size))
-            if self._plan_prefers_ar(size):  # overruling the plan takes a clear answer, to start and to go on
+            drafting = self._preferred.get(size, not against_plan)
+            if against_plan:  # overruling the plan takes a clear answer, to start and to go on
                 preferred = ratio < (AGAINST_PLAN_KEEP if drafting else AGAINST_PLAN_MARGIN)
             else:
                 preferred = ratio < (1.0 if drafting else SWITCH_MARGIN)
@@ -435,22 +460,24 @@ class Scheduler:
             self._probing[size] = PROBE_STEPS
         return preferred
 
-    def _measure(self, drafted, rows: int, tokens: int, seconds: float) -> None:
-        """Record a pure step's cycle: `drafted` is False for an AR step, else the tree every row drafted."""
+    def _measure(self, drafted, rows: int, tokens: int, greedy: bool, seconds: float) -> None:
+        """Record a pure step's cycle: `drafted` is False for an AR step, else the tree every row drafted; `greedy`:
+        every row was greedy."""
         mode = "spec" if drafted else "ar"
         self.samples.setdefault((mode, _bucket(rows)), deque(maxlen=COST_WINDOW)).append(seconds / tokens)
-        self.models.setdefault(self._model_key(drafted), StepCostModel()).add(rows, seconds, tokens)
+        self.models.setdefault(self._model_key(drafted, greedy), StepCostModel()).add(rows, seconds, tokens)
 
-    def _model_key(self, drafted) -> Any:
-        """The cost model of AR steps ("ar") or of drafting this tree (the engine's tree when `drafted` is True)."""
+    def _model_key(self, drafted, greedy: bool = False) -> Any:
+        """The cost model of AR steps ("ar") or of drafting this tree (the engine's tree when `drafted` is True)
+        with greedy rows only or not."""
         if not drafted:
             return "ar"
-        return tuple(self.batched.shape) if drafted is True else tuple(drafted)
+        return (tuple(self.batched.shape) if drafted is True else tuple(drafted)), greedy
 
-    def predicted_ratio(self, rows: int) -> float | None:
-        """The cost model's drafting / AR seconds per emitted token at `rows` rows, drafting the tree of their
-        batch-size bucket; None until both modes have MIN_SAMPLES measured steps."""
-        spec = self.models.get(self._model_key(self.tree_at(_bucket(rows))))
+    def predicted_ratio(self, rows: int, greedy: bool = False) -> float | None:
+        """The cost model's drafting / AR seconds per emitted token at `rows` rows (all greedy: `greedy`),
+        drafting the tree of their batch-size bucket; None until both modes have MIN_SAMPLES measured steps."""
+        spec = self.models.get(self._model_key(self.tree_at(_bucket(rows), greedy), greedy))
         ar = self.models.get("ar")
         if spec is None or ar is None or min(len(spec), len(ar)) < MIN_SAMPLES:
             return None
@@ -464,13 +491,13 @@ class Scheduler:
 
     def cost_table(self) -> dict[int, dict[str, float | None]]:
         """Batch size bucket -> measured seconds per token of drafting and autoregressive steps (where speculation
-        pays)."""
+        pays); the model's ratio and the tree are those of the last step's plan (greedy rows' or sampled rows')."""
         sizes = sorted({size for _, size in self.samples})
         return {
             b: {
                 "spec": self.cost(("spec", b)),
                 "ar": self.cost(("ar", b)),
-                "ratio": self.predicted_ratio(b),
+                "ratio": self.predicted_ratio(b, self._greedy_batch),
                 "tree": self._tree_label(b),
                 "drafted": self._drafted_share(b),
             }
@@ -483,7 +510,7 @@ class Scheduler:
         return drafted / steps if steps else None
 
     def _tree_label(self, size: int) -> list[int]:
-        return list(self._model_key(self.tree_at(size)))
+        return list(self._model_key(self.tree_at(size, self._greedy_batch))[0])
 
     def _finish(self, task: _Task, error: BaseException | None = None) -> None:
         if task in self.tasks:

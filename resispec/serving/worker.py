@@ -64,7 +64,8 @@ class DecoderEngine:
     as the engine), which the scheduler uses to decode many requests in one target forward per step. `kv_budget`
     (tokens, None = unbounded) bounds the batch cache; `speculation` (auto | always | never) is the scheduler's
     per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
-    output under decode.tree=auto) is the tree speculative steps draft at each batch size."""
+    output under decode.tree=auto) is the tree speculative steps draft at each batch size; `greedy_trees_by_batch`
+    the same for batches of greedy rows (None: `trees_by_batch`)."""
 
     def __init__(
         self,
@@ -75,9 +76,10 @@ class DecoderEngine:
         kv_budget: int | None = None,
         speculation: str = "auto",
         trees_by_batch: dict[int, list[int] | None] | None = None,
+        greedy_trees_by_batch: dict[int, list[int] | None] | None = None,
     ) -> None:
         self.decoder = decoder
-        self.trees_by_batch = trees_by_batch
+        self.trees_by_batch, self.greedy_trees_by_batch = trees_by_batch, greedy_trees_by_batch
         self.tokenizer = tokenizer
         self.speculative = speculative
         self.device = decoder.device

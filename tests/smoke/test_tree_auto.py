@@ -39,10 +39,12 @@ def test_server_plans_its_tree_and_stays_exact(paths, capsys):
             DataConfig(),
         )
         printed = capsys.readouterr().out  # each batch size's choice is printed with its prediction
-        assert all(f"tree=auto (resispec, T=0, batch {b})" in printed for b in (1, 2, 4)), printed
+        # greedy rows planned at T = 0, sampled rows at T = 1 (decode's temperature is 0)
+        for t in (0, 1):
+            assert all(f"tree=auto (resispec, T={t}, batch {b})" in printed for b in (1, 2, 4)), printed
         engine = app.state.server.worker.engine
-        assert sorted(engine.trees_by_batch) == [1, 2, 4]
-        assert list(engine.decoder.shape) == engine.trees_by_batch[1]
+        assert sorted(engine.trees_by_batch) == sorted(engine.greedy_trees_by_batch) == [1, 2, 4]
+        assert list(engine.decoder.shape) == engine.greedy_trees_by_batch[1]  # decode's temperature: 0
         with TestClient(app) as client:
             body = {"model": "m", "prompt": "def main():\n", "max_tokens": 12, "temperature": 0}
             r = client.post("/v1/completions", json=body)

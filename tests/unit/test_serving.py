@@ -565,9 +565,9 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert sched._choose(2) is False  # the plan says no speculation at 2 rows
         # AR: 8 ms + 1 ms a row, one token a row; drafting: 9 ms + 2 ms a row, 1.5 tokens a row
         for i, rows in enumerate((3, 5, 7, 9, 11, 13, 15)):
-            sched._measure(False, rows, rows, 0.008 + 0.001 * rows)
+            sched._measure(False, rows, rows, False, 0.008 + 0.001 * rows)
             assert (sched.predicted_ratio(rows) is None) == (i < MIN_SAMPLES)
-            sched._measure(True, rows, 1.5 * rows, 0.009 + 0.002 * rows)
+            sched._measure(True, rows, 1.5 * rows, False, 0.009 + 0.002 * rows)
         for rows in (1, 4, 8, 16):  # every batch size: one line per mode, wherever it was measured
             assert sched.predicted_ratio(rows) == pytest.approx((9 + 2 * rows) / (1.5 * (8 + rows)))
         assert sched.tree_at(2) == (1,) and sched.predicted_ratio(2) is None  # planned none: probes draft [1]
@@ -580,20 +580,24 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert sched._choose(5) is False  # 0.97 again, but back from AR it takes a ratio below SWITCH_MARGIN
         assert sched._choose(1) is True
         assert sched._choose(8) is False and sched._choose(16) is False
-        sched.predicted_ratio = lambda rows: 0.9  # where the plan says no speculation, drafting must look
+        sched.predicted_ratio = lambda rows, greedy=False: (
+            0.9
+        )  # where the plan says no speculation, drafting must look
         assert sched._choose(2) is False  # cheaper than AGAINST_PLAN_MARGIN (0.85) to start
-        sched.predicted_ratio = lambda rows: 0.8
+        sched.predicted_ratio = lambda rows, greedy=False: 0.8
         assert sched._choose(2) is True
-        sched.predicted_ratio = lambda rows: 0.88  # ... and below AGAINST_PLAN_KEEP (0.9) to go on
+        sched.predicted_ratio = lambda rows, greedy=False: (
+            0.88
+        )  # ... and below AGAINST_PLAN_KEEP (0.9) to go on
         assert sched._choose(2) is True
-        sched.predicted_ratio = lambda rows: 0.93
+        sched.predicted_ratio = lambda rows, greedy=False: 0.93
         assert sched._choose(2) is False
         del sched.predicted_ratio
         # every EXPLORE_EVERY-th step at a batch size, PROBE_STEPS of the other mode
         sched.step_counts[16] = [EXPLORE_EVERY, 0]
         assert [sched._choose(16) for _ in range(PROBE_STEPS + 2)] == [False] + [True] * PROBE_STEPS + [False]
         sched._probing.clear()  # (no step ran: the count stayed, and the last call started another probe)
-        sched.predicted_ratio = lambda rows: 2.0  # a clear answer: re-checked 4x less often
+        sched.predicted_ratio = lambda rows, greedy=False: 2.0  # a clear answer: re-checked 4x less often
         sched.step_counts[16] = [EXPLORE_EVERY, 0]
         assert [sched._choose(16) for _ in range(2)] == [False, False]
         sched.step_counts[16] = [4 * EXPLORE_EVERY, 0]
@@ -602,10 +606,52 @@ def test_adaptive_policy_decides_by_the_cost_model():
         sched.close()
 
 
+def test_greedy_batches_draft_the_greedy_plan():
+    """decode.tree=auto plans greedy rows apart (their acceptance is higher): a batch of greedy rows drafts the
+    greedy plan's tree, a batch with any sampled row the sampled plan's; each has its own cost model."""
+    from types import SimpleNamespace
+
+    from resispec.serving.scheduler import Scheduler
+
+    class Batch:
+        draft, shape = object(), [1, 1, 1]
+
+        def __init__(self):
+            self.rows, self.flags = [SimpleNamespace(greedy=True), SimpleNamespace(greedy=True)], []
+
+        def step(self, flags):
+            self.flags.append(flags)
+            return [(r, [7, 7]) for r in self.rows]
+
+    batched = Batch()
+    engine = SimpleNamespace(
+        batched=batched, trees_by_batch={1: [1, 1, 1], 2: None}, greedy_trees_by_batch={1: [3], 2: [2, 1]}
+    )
+    sched = Scheduler(engine, max_batch_size=4, speculation="auto")
+    unseeded = SimpleNamespace(job=SimpleNamespace(params=SimpleNamespace(seed=None, temperature=0.0)))
+    tasks = {id(r): unseeded for r in batched.rows}
+    try:
+        assert sched.tree_at(1, greedy=True) == (3,) and sched.tree_at(1) == (1, 1, 1)
+        assert sched.tree_at(2, greedy=True) == (2, 1) and sched.tree_at(2) == (1,)  # planned none: probe [1]
+        sched._probing[2] = 0
+        sched.step_counts[2] = [1, 0]  # no probe starts at the next step
+        sched._pure = None
+        sched._batch_step(tasks)
+        assert batched.flags[-1] == [(2, 1), (2, 1)] and sched._pure[3] is True
+        sched._measure(*sched._pure, 0.01)
+        batched.rows[1].greedy = False  # one sampled row: the sampled plan, which says AR at 2 rows
+        sched._batch_step(tasks)
+        assert batched.flags[-1] == [False, False]
+        assert ((2, 1), True) in sched.models and not any(k[1] is False for k in sched.models if k != "ar")
+    finally:
+        sched.close()
+
+
 def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
     """A pure step is measured over its whole cycle (admission, step, hand-off). A drafting step after a step with
     AR rows feeds the draft what they skipped: not measured; nor is a step where a seeded row drafted beside AR
-    rows, nor a cycle that admitted a whole wave."""
+    rows, nor a cycle that admitted a whole wave. A newcomer's target prefill is left out of the cycle's time."""
+    import time
     from types import SimpleNamespace
 
     from resispec.serving.scheduler import Scheduler
@@ -614,7 +660,7 @@ def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
         draft, shape = object(), [3]
 
         def __init__(self):
-            self.rows = [object(), object()]
+            self.rows = [SimpleNamespace(greedy=False), SimpleNamespace(greedy=False)]
 
         def step(self, flags):
             return [(r, [7] * (2 if f else 1)) for r, f in zip(self.rows, flags, strict=True)]
@@ -627,19 +673,28 @@ def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
         for r in batched.rows
     }
     try:
-        modes = iter([False, True, True, False, True, True])
-        sched._choose = lambda rows: next(modes)
+        modes = iter([False, True, True, False, True, True, True])
+        sched._choose = lambda rows, greedy: next(modes)
         sched._step = lambda: sched._batch_step(tasks)
         for _ in range(3):  # AR, drafting (catch-up), drafting
             sched._cycle()
-        assert len(sched.models["ar"]) == 1 and len(sched.models[(3,)]) == 1
+        assert len(sched.models["ar"]) == 1 and len(sched.models[((3,), False)]) == 1
         tasks[id(batched.rows[0])].job.params.seed = 3  # a seeded row drafts while the policy says AR
         sched._cycle()
         sched._cycle()  # all draft, but after a step with an AR row
-        assert len(sched.models["ar"]) == 1 and len(sched.models[(3,)]) == 1
+        assert len(sched.models["ar"]) == 1 and len(sched.models[((3,), False)]) == 1
         sched._admit = lambda: 2  # a wave admitted at once: its prefills are not a step's cost
         sched._cycle()
-        assert len(sched.models["ar"]) == 1 and len(sched.models[(3,)]) == 1
+        assert len(sched.models["ar"]) == 1 and len(sched.models[((3,), False)]) == 1
         assert sched.cost_table()[2]["drafted"] == 4 / 6  # steps in which every row drafted
+
+        def admit_one():  # a newcomer whose target prefill took 200 ms (as _start records it)
+            time.sleep(0.2)
+            sched._prefill_seconds += 0.2
+            return 1
+
+        sched._admit = admit_one
+        sched._cycle()  # both modes pay the prefill alike: it is left out of the drafting step's cost
+        assert len(sched.models[((3,), False)]) == 2 and sched.models[((3,), False)].steps[-1][1] < 0.1
     finally:
         sched.close()
