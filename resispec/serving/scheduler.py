@@ -174,9 +174,8 @@ class Scheduler:
         self.trees_by_batch = getattr(engine, "trees_by_batch", None) or {}
         greedy = getattr(engine, "greedy_trees_by_batch", None)
         self.greedy_trees_by_batch = self.trees_by_batch if greedy is None else greedy
-        self._greedy_batch = (
-            False  # whether the last step's rows were all greedy (cost_table reports that plan)
-        )
+        # whether the last step's rows were all greedy (cost_table reports that plan)
+        self._greedy_batch = False
         self.samples: dict[tuple[str, int], deque] = {}  # (mode, batch size) -> seconds per token
         # "ar", or (the drafted tree as a tuple, all rows greedy) -> that mode's cost model (greedy and sampled
         # rows accept differently: the tokens a step emits are part of the model)
@@ -188,9 +187,8 @@ class Scheduler:
         self._steps = 0  # batch steps taken
         # the last step had rows that did not draft (the next drafting step catches up)
         self._ar_rows_before = False
-        self._pure: tuple | None = (
-            None  # (drafted, rows, tokens, greedy) of this cycle's pure step, for _cycle
-        )
+        # (drafted, rows, tokens, greedy) of this cycle's pure step, for _cycle
+        self._pure: tuple | None = None
         self._prefill_seconds = 0.0  # the target prefills of this cycle's newcomers (left out of its cost)
         self.peak_running = 0  # most requests decoded together so far
         self.waiting: deque = deque()
@@ -279,7 +277,7 @@ class Scheduler:
     def _cycle(self) -> None:
         """Admit, step, emit. A pure batch step is measured over the whole cycle: the newcomer's admission (merging
         its row into caches that drafting leaves wider, with holes) and the hand-off of the chunks are costs of the
-        mode too. Its target prefill is not: both modes pay it alike, and at 50 ms (a 65-token prompt, one core)
+        mode too. Its target prefill is not: both modes pay it alike, and at ~45 ms (a 65-token prompt, one core)
         against 12-25 ms steps at one row, it was noise in the mode that happened to step next. A cycle that
         admits a whole wave at once is not measured."""
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ from resispec.decoding.fast_forward import fast_forward
 from resispec.errors import UserError
 from resispec.models import load_pair
 from resispec.models.config import ModelConfig, WorldConfig
+from resispec.sampling import is_greedy
 from resispec.serving.app import create_app
 from resispec.serving.config import ServerConfig
 from resispec.serving.worker import DecoderEngine
@@ -89,7 +90,7 @@ def planned_trees(
         )
     planner = Planner(target, prompts)
     sizes = sorted(set(batch_sizes) | {1})
-    sampled_t = decode.temperature if decode.temperature > 0 else 1.0
+    sampled_t = 1.0 if is_greedy(decode.temperature) else decode.temperature
     out = []
     for temperature in (sampled_t, 0.0):
         sampling = {"temperature": temperature, "top_k": decode.top_k, "top_p": decode.top_p}
@@ -131,7 +132,7 @@ def build_engine(
             sizes = batch_buckets(server.max_batch_size)
             plans = planned_trees(target, draft, decode, plan_prompts or [], sizes)
         sampled, greedy = plans
-        tree = (greedy if decode.temperature == 0 else sampled)[1]
+        tree = (greedy if is_greedy(decode.temperature) else sampled)[1]
     else:
         tree = decode.tree
     decoder = SpeculativeDecoder(
