@@ -67,6 +67,12 @@ PROBE_STEPS = 3  # steps of the other mode per measurement (the first drafting o
 COST_WINDOW = 32  # recent per-token costs per (mode, batch-size bucket), for cost_table()
 MODEL_WINDOW = 96  # recent pure steps per mode that the cost model fits
 MIN_SAMPLES = 3  # pure steps of each mode before the model decides instead of the plan
+# a cycle this many times its mode's median cost per token at that batch size is a stall of the process, not a cost
+# of the mode: one drafting cycle of 333-382 ms among 15-25 ms ones (the second request's first step, in most
+# start-ups of `python serve/server.py`; a pause of the whole interpreter), counted into the mean, put drafting at
+# 1.2-1.6x AR's cost per token and held the server on AR for its first ~1000 steps. The costs one mode pays now and
+# then (the draft's prefill of a newcomer's prompt) are 1.2-2.5x a step and stay in
+STALL_FACTOR = 4.0
 LOG_EVERY = 512  # batch steps between two INFO lines of the policy's state
 SPECULATION = ("auto", "always", "never")  # lone requests: by measured cost, always speculative, never
 
@@ -191,6 +197,7 @@ class Scheduler:
         self._pure: tuple | None = None
         self._prefill_seconds = 0.0  # the target prefills of this cycle's newcomers (left out of its cost)
         self.peak_running = 0  # most requests decoded together so far
+        self.stalls = 0  # measured cycles left out of the cost model as stalls (STALL_FACTOR)
         self.waiting: deque = deque()
         self.tasks: list[_Task] = []
         self._cv = threading.Condition()
@@ -408,6 +415,8 @@ class Scheduler:
             parts.append(
                 f"{size} rows: drafted {share:.0%}, ratio {'-' if ratio is None else format(ratio, '.2f')}"
             )
+        if self.stalls:
+            parts.append(f"stalls left out: {self.stalls}")
         return "; ".join(parts)
 
     def _plan(self, greedy: bool) -> dict:
@@ -460,9 +469,14 @@ class Scheduler:
 
     def _measure(self, drafted, rows: int, tokens: int, greedy: bool, seconds: float) -> None:
         """Record a pure step's cycle: `drafted` is False for an AR step, else the tree every row drafted; `greedy`:
-        every row was greedy."""
+        every row was greedy. A stall (STALL_FACTOR) is counted, not recorded."""
         mode = "spec" if drafted else "ar"
-        self.samples.setdefault((mode, _bucket(rows)), deque(maxlen=COST_WINDOW)).append(seconds / tokens)
+        recent = self.samples.setdefault((mode, _bucket(rows)), deque(maxlen=COST_WINDOW))
+        if len(recent) >= MIN_SAMPLES and seconds / tokens > STALL_FACTOR * sorted(recent)[len(recent) // 2]:
+            self.stalls += 1
+            log.debug("a %s cycle of %.1f ms at %d rows left out (a stall)", mode, 1e3 * seconds, rows)
+            return
+        recent.append(seconds / tokens)
         self.models.setdefault(self._model_key(drafted, greedy), StepCostModel()).add(rows, seconds, tokens)
 
     def _model_key(self, drafted, greedy: bool = False) -> Any:

@@ -570,6 +570,14 @@ def test_adaptive_policy_decides_by_the_cost_model():
             sched._measure(True, rows, 1.5 * rows, False, 0.009 + 0.002 * rows)
         for rows in (1, 4, 8, 16):  # every batch size: one line per mode, wherever it was measured
             assert sched.predicted_ratio(rows) == pytest.approx((9 + 2 * rows) / (1.5 * (8 + rows)))
+        # a stall of the process (a cycle 20x its mode's cost) is left out; a step 2x dearer is a cost and stays
+        spec = sched.models[((3,), False)]
+        sched._measure(True, 15, 1.5 * 15, False, 20 * (0.009 + 0.002 * 15))
+        assert len(spec) == 7 and sched.stalls == 1 and "stalls left out: 1" in sched._policy_line()
+        sched._measure(True, 15, 1.5 * 15, False, 2 * (0.009 + 0.002 * 15))
+        assert len(spec) == 8 and sched.stalls == 1
+        spec.steps.pop()
+        spec._fits.clear()
         assert sched.tree_at(2) == (1,) and sched.predicted_ratio(2) is None  # planned none: probes draft [1]
         assert sched.cost_table()[16]["ratio"] == pytest.approx(sched.predicted_ratio(16))
         sched._probing.clear()
