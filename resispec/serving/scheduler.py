@@ -472,11 +472,13 @@ class Scheduler:
         every row was greedy. A stall (STALL_FACTOR) is counted, not recorded."""
         mode = "spec" if drafted else "ar"
         recent = self.samples.setdefault((mode, _bucket(rows)), deque(maxlen=COST_WINDOW))
-        if len(recent) >= MIN_SAMPLES and seconds / tokens > STALL_FACTOR * sorted(recent)[len(recent) // 2]:
+        stall = len(recent) >= MIN_SAMPLES and seconds / tokens > STALL_FACTOR * sorted(recent)[len(recent) // 2]
+        # the median follows every cycle: a machine that stays 4x slower is recorded again within COST_WINDOW / 2
+        recent.append(seconds / tokens)
+        if stall:
             self.stalls += 1
             log.debug("a %s cycle of %.1f ms at %d rows left out (a stall)", mode, 1e3 * seconds, rows)
             return
-        recent.append(seconds / tokens)
         self.models.setdefault(self._model_key(drafted, greedy), StepCostModel()).add(rows, seconds, tokens)
 
     def _model_key(self, drafted, greedy: bool = False) -> Any:

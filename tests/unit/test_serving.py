@@ -553,7 +553,7 @@ def test_adaptive_policy_decides_by_the_cost_model():
 
     import pytest
 
-    from resispec.serving.scheduler import EXPLORE_EVERY, MIN_SAMPLES, PROBE_STEPS, Scheduler
+    from resispec.serving.scheduler import EXPLORE_EVERY, MIN_SAMPLES, PROBE_STEPS, Scheduler, StepCostModel
 
     batched = SimpleNamespace(draft=object(), rows=[], shape=[3])
     engine = SimpleNamespace(batched=batched, trees_by_batch={2: None})
@@ -576,6 +576,12 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert len(spec) == 7 and sched.stalls == 1 and "stalls left out: 1" in sched._policy_line()
         sched._measure(True, 15, 1.5 * 15, False, 2 * (0.009 + 0.002 * 15))
         assert len(spec) == 8 and sched.stalls == 1
+        slow = StepCostModel()  # a machine that stays 20x slower is recorded again once the median has followed it
+        sched.models[((3,), False)] = slow
+        for _ in range(12):
+            sched._measure(True, 15, 1.5 * 15, False, 20 * (0.009 + 0.002 * 15))
+        assert 0 < len(slow) < 12
+        sched.models[((3,), False)] = spec
         spec.steps.pop()
         spec._fits.clear()
         assert sched.tree_at(2) == (1,) and sched.predicted_ratio(2) is None  # planned none: probes draft [1]
