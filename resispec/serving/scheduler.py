@@ -472,7 +472,9 @@ class Scheduler:
         every row was greedy. A stall (STALL_FACTOR) is counted, not recorded."""
         mode = "spec" if drafted else "ar"
         recent = self.samples.setdefault((mode, _bucket(rows)), deque(maxlen=COST_WINDOW))
-        stall = len(recent) >= MIN_SAMPLES and seconds / tokens > STALL_FACTOR * sorted(recent)[len(recent) // 2]
+        stall = (
+            len(recent) >= MIN_SAMPLES and seconds / tokens > STALL_FACTOR * sorted(recent)[len(recent) // 2]
+        )
         # the median follows every cycle: a machine that stays 4x slower is recorded again within COST_WINDOW / 2
         recent.append(seconds / tokens)
         if stall:

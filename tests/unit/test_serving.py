@@ -576,7 +576,9 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert len(spec) == 7 and sched.stalls == 1 and "stalls left out: 1" in sched._policy_line()
         sched._measure(True, 15, 1.5 * 15, False, 2 * (0.009 + 0.002 * 15))
         assert len(spec) == 8 and sched.stalls == 1
-        slow = StepCostModel()  # a machine that stays 20x slower is recorded again once the median has followed it
+        slow = (
+            StepCostModel()
+        )  # a machine that stays 20x slower is recorded again once the median has followed it
         sched.models[((3,), False)] = slow
         for _ in range(12):
             sched._measure(True, 15, 1.5 * 15, False, 20 * (0.009 + 0.002 * 15))
