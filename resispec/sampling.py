@@ -91,3 +91,52 @@ def sample_rows(weights: Tensor, k: int, generator: torch.Generator | None = Non
 def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row [N] from probabilities [N, V] (sample_rows)."""
     return sample_rows(probs, 1, generator)[:, 0]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: nearby inputs give unrelated 64-bit outputs."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class SeedStream:
+    """A seeded request's randomness keyed by token position (drafter-invariant sampling: Daliri, Musco and
+    Suresh, "Coupling without communication and drafter-invariant speculative decoding", 2024).
+
+    The token at absolute position t (its index in prompt + output) is argmax(log p_t + G_t), where the Gumbel
+    noise G_t over the vocabulary is a function of (seed, t) alone. By the Gumbel-max trick that is exactly a draw
+    from p_t. A speculative decoder drafts with the same G_t (the `gumbel` rule: children = the Gumbel-top-n of
+    log q_t + G_t) and verifies by emitting argmax(log p_t + G_t), so the emitted token at every position is the
+    one plain sampling with this stream emits: a seeded request decodes the same tokens with or without
+    speculation, with any tree, draft or neighbours in a batch. The decoders take a SeedStream wherever they take
+    a torch.Generator; a plain Generator keeps the configured rule and consumes its stream in drafting order."""
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        self.seed, self.device = int(seed), torch.device(device)
+
+    def __repr__(self) -> str:
+        return f"SeedStream(seed={self.seed})"
+
+    def gumbel(self, position: int, like: Tensor) -> Tensor:
+        """G_position [1, V] (V = like's last dimension), float32, on like's device."""
+        gen = torch.Generator(device="cpu").manual_seed(
+            _mix64((self.seed * 0x9E3779B97F4A7C15 + position) & _MASK64)
+        )
+        e = torch.empty(like.shape[-1], dtype=torch.float32).exponential_(generator=gen)
+        return (-torch.log(e.clamp_min(torch.finfo(torch.float32).tiny)))[None].to(like.device)
+
+    def sample(self, probs: Tensor, position: int) -> Tensor:
+        """The token at `position` for every row of probs [N, V] -> [N]: argmax(log p + G_position)."""
+        return (torch.log(probs) + self.gumbel(position, probs)).argmax(dim=-1)
+
+
+def sample_at(probs: Tensor, generator, position: int) -> Tensor:
+    """One token per row [N] from probs [N, V] for the token at absolute `position`: a SeedStream's own draw
+    there, else sample_tokens with the generator (position unused)."""
+    if isinstance(generator, SeedStream):
+        return generator.sample(probs, position)
+    return sample_tokens(probs, generator)

@@ -17,8 +17,10 @@ dropped, so T is always the longest running row's length: memory is bounded by r
 
 Exactness: a greedy row emits the target's greedy tokens (identical to decoding it alone and to HF generate, up to
 floating-point differences between batch shapes); a sampled row draws from process_logits(target logits) with its
-own generator, one draw per token (sampling.sample_tokens), exactly as SpeculativeDecoder's AR path does, so a
-seeded row gives the same tokens whatever its neighbours.
+own generator, one draw per token (sampling.sample_at), exactly as SpeculativeDecoder's AR path does, so a
+seeded row gives the same tokens whatever its neighbours. A row whose generator is a SeedStream (resispec.sampling)
+draws the token at each position from noise keyed by that position, on the speculative batch too (it drafts and
+verifies with the gumbel rule): its tokens are the same whether any step drafted or not.
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ from resispec.decoding.kv_cache import (
     select_cache_rows,
     trim_cache_left,
 )
-from resispec.decoding.lean import walk_greedy, walk_sampled
+from resispec.decoding.lean import propose_at, row_rule, walk_greedy, walk_sampled
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
-from resispec.sampling import is_greedy, sample_tokens
+from resispec.sampling import is_greedy, sample_at
 from resispec.sampling import probs as process_logits
 
 
@@ -227,7 +229,8 @@ class BatchedDecoder:
         tokens = logits.argmax(dim=-1)  # [B]; sampled rows overwrite theirs
         for b, row in enumerate(rows):
             if not row.greedy:
-                tokens[b] = sample_tokens(process_logits(logits[b : b + 1], **row.settings), row.generator)[0]
+                p = process_logits(logits[b : b + 1], **row.settings)
+                tokens[b] = sample_at(p, row.generator, row.length + 1)[0]
         tokens = tokens.tolist()  # the step's one host sync
         self.num_cols += 1
         dt = time.perf_counter() - t0
@@ -447,7 +450,10 @@ class BatchedSpeculativeDecoder:
         t0 = time.perf_counter()
         dev, nb = self.device, len(rows)
         greedy_tk = [r.greedy and self.greedy_topk for r in rows]
-        rules = [GREEDY_TOPK if g else self.rule for g in greedy_tk]
+        rules = [
+            GREEDY_TOPK if g else row_rule(self.rule, r.generator)
+            for r, g in zip(rows, greedy_tk, strict=True)
+        ]
         q_set = [
             dict(temperature=1.0, top_k=0, top_p=1.0) if g else r.settings
             for r, g in zip(rows, greedy_tk, strict=True)
@@ -501,7 +507,9 @@ class BatchedSpeculativeDecoder:
                     if not growing[b] or depth > lims[b]:
                         growing[b] = False
                         continue
-                    proposal = rules[b].propose(qs[b], shapes[b][depth - 1], r.generator)
+                    proposal = propose_at(
+                        rules[b], qs[b], shapes[b][depth - 1], r.generator, r.length + depth
+                    )
                     level = trees[b].add_level(proposal.token_ids.tolist())
                     if len(level) == 0:
                         growing[b] = False
@@ -574,7 +582,7 @@ class BatchedSpeculativeDecoder:
                 def p_at(node: int, b: int = b, r: BatchRow = r) -> torch.Tensor:
                     return self._probs(logits[b, node : node + 1], r.settings)
 
-                run, accepted = walk_sampled(rules[b], tree, p_at, proposals[b], r.generator)
+                run, accepted = walk_sampled(rules[b], tree, p_at, proposals[b], r.generator, r.length + 1)
             t_valid[b, [0] + accepted] = True
             for n in accepted:
                 if tree.depths[n] <= fed[b]:

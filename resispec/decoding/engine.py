@@ -26,12 +26,12 @@ from resispec.decoding.kv_cache import (
     new_cache,
     tree_attention_mask,
 )
-from resispec.decoding.lean import advance_caches, lean_spec_steps
+from resispec.decoding.lean import advance_caches, lean_spec_steps, propose_at, row_rule
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
 from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
 from resispec.decoding.vocab import check_tokenizers, resolve_vocab_size
-from resispec.sampling import is_greedy, probs, sample_tokens
+from resispec.sampling import is_greedy, probs, sample_at
 from resispec.verify.greedy import GreedyRule
 from resispec.verify.registry import VERIFIERS
 
@@ -259,7 +259,7 @@ class SpeculativeDecoder:
             if greedy:
                 tok = logits.argmax(dim=-1)
             else:
-                tok = sample_tokens(probs(logits, **settings), generator)
+                tok = sample_at(probs(logits, **settings), generator, pos + 1)
             root = int(tok.item())
             stats.target_seconds += time.perf_counter() - t0
             stats.target_forwards += 1
@@ -269,7 +269,7 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ speculative steps
     @torch.inference_mode()
     def _spec_steps(self, prompt, settings, generator, stats, max_new_tokens) -> Iterator[list[int]]:
-        dev, rule, shape = self.device, self.rule, self.shape
+        dev, rule, shape = self.device, row_rule(self.rule, generator), self.shape
         depth_max = len(shape)
         greedy = is_greedy(settings["temperature"])
         q_settings = settings
@@ -302,7 +302,7 @@ class SpeculativeDecoder:
                 logits = self._draft_forward(stats, ids, dcache, pos, logits_to_keep=1)  # [1, 1, V]
                 q = self._probs(logits[0], q_settings)  # [1, V]
                 for depth in range(1, depth_lim + 1):
-                    proposal = rule.propose(q, shape[depth - 1], generator)
+                    proposal = propose_at(rule, q, shape[depth - 1], generator, num_committed - 1 + depth)
                     level = tree.add_level(proposal.token_ids.tolist())  # one host sync per depth
                     if len(level) == 0:
                         break
@@ -336,7 +336,7 @@ class SpeculativeDecoder:
             stats.target_forwards += 1
 
             # ---- accept phase: walk from the root, verifying a level only when the walk reaches it
-            run, accepted = self._walk(rule, tree, p, proposals, generator, greedy)
+            run, accepted = self._walk(rule, tree, p, proposals, generator, greedy, num_committed)
             stats.accept_seconds += time.perf_counter() - t2
 
             num_acc = len(accepted)
@@ -355,12 +355,15 @@ class SpeculativeDecoder:
                 self.after_step(tcache, dcache, committed)
 
     @staticmethod
-    def _walk(rule, tree: DraftTree, p: torch.Tensor, proposals: list, generator, greedy: bool):
+    def _walk(
+        rule, tree: DraftTree, p: torch.Tensor, proposals: list, generator, greedy: bool, position: int
+    ):
         """Follow the verified path from the root -> (emitted run, accepted node ids).
 
         p [N+1, V] is the target distribution at every node. The rule verifies a whole level in one batched call
         (the rows off the path use their own randomness and are ignored, which keeps the path exact); levels past
-        the first rejection are never verified. One host sync per level reached."""
+        the first rejection are never verified. One host sync per level reached. position: the absolute position
+        of the root's children (a SeedStream's bonus token is keyed by its position)."""
         node, run, accepted = 0, [], []
         for depth in range(1, tree.depth + 1):
             parents = tree.level(depth - 1)
@@ -377,6 +380,6 @@ class SpeculativeDecoder:
             accepted.append(node)
         # every draft on the path was accepted: the bonus token comes from p at the leaf
         leaf_p = p[node : node + 1]  # [1, V]
-        bonus = leaf_p.argmax(dim=-1) if greedy else sample_tokens(leaf_p, generator)
+        bonus = leaf_p.argmax(dim=-1) if greedy else sample_at(leaf_p, generator, position + len(accepted))
         run.append(int(bonus.item()))
         return run, accepted

@@ -28,7 +28,8 @@ from resispec.decoding.kv_cache import (
 )
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.tree import DraftTree
-from resispec.sampling import is_greedy, sample_tokens
+from resispec.sampling import SeedStream, is_greedy, sample_at
+from resispec.verify.registry import VERIFIERS
 
 
 @torch.inference_mode()
@@ -36,7 +37,7 @@ def lean_spec_steps(
     dec, prompt: list[int], settings: dict, generator, stats: DecodeStats, max_new_tokens: int
 ):
     """Speculative steps of `dec` (a SpeculativeDecoder); yields each step's emitted run. See the module docstring."""
-    dev, rule, shape = dec.device, dec.rule, dec.shape
+    dev, rule, shape = dec.device, row_rule(dec.rule, generator), dec.shape
     depth_max = len(shape)
     greedy = is_greedy(settings["temperature"]) and dec.greedy_topk
     vocab = dec.vocab_size
@@ -66,7 +67,8 @@ def lean_spec_steps(
                 if greedy:  # top-b of the draft's logits = top-b of its softmax
                     draws = torch.topk(logits, min(width, vocab), dim=-1).indices.tolist()
                 else:
-                    proposal = rule.propose(dec._probs(logits, settings), width, generator)
+                    q = dec._probs(logits, settings)
+                    proposal = propose_at(rule, q, width, generator, num_committed - 1 + depth)
                     proposals.append(proposal)
                     draws = proposal.token_ids.tolist()
                 level = tree.add_level(draws)
@@ -110,7 +112,7 @@ def lean_spec_steps(
             def p_at(node: int, logits: torch.Tensor = logits) -> torch.Tensor:
                 return dec._probs(logits[node : node + 1], settings)  # [1, V]
 
-            run, accepted = walk_sampled(rule, tree, p_at, proposals, generator)
+            run, accepted = walk_sampled(rule, tree, p_at, proposals, generator, num_committed)
         stats.accept_seconds += time.perf_counter() - t2
 
         num_acc = len(accepted)
@@ -149,6 +151,21 @@ def advance_caches(
     return [tree.tokens[n] for n in accepted if tree.depths[n] > fed_depth] + [run[-1]]
 
 
+def row_rule(rule, generator):
+    """The rule a sampled row verifies with: `gumbel` for a seeded row (a SeedStream: drafter-invariant
+    sampling, resispec.sampling.SeedStream), else the decoder's rule."""
+    return VERIFIERS["gumbel"] if isinstance(generator, SeedStream) else rule
+
+
+def propose_at(rule, q: torch.Tensor, n: int, generator, position: int):
+    """The children of the nodes of one level (q [nodes, V]), tokens at absolute `position`: a seeded row drafts
+    the Gumbel-top-n of log q + G_position (row_rule's gumbel), any other the rule's own draws (a greedy row's
+    rule draws the top-n of q whatever its generator)."""
+    if isinstance(generator, SeedStream) and rule is VERIFIERS["gumbel"]:
+        return VERIFIERS["gumbel"].propose(q, n, noise=generator.gumbel(position, q))
+    return rule.propose(q, n, generator)
+
+
 def walk_greedy(tree: DraftTree, best: list[int]) -> tuple[list[int], list[int]]:
     """Temperature 0: from the root, emit argmax p; continue while it is a child. best[i] = argmax p at node i."""
     node, run, accepted = 0, [], []
@@ -162,9 +179,12 @@ def walk_greedy(tree: DraftTree, best: list[int]) -> tuple[list[int], list[int]]
         node = child
 
 
-def walk_sampled(rule, tree: DraftTree, p_at, proposals: list, generator) -> tuple[list[int], list[int]]:
+def walk_sampled(
+    rule, tree: DraftTree, p_at, proposals: list, generator, position: int = 0
+) -> tuple[list[int], list[int]]:
     """Verify only the nodes the walk reaches, each as a one-row proposal (module docstring).
-    p_at(node) -> [1, V]: the target distribution at `node`. Returns (emitted run, accepted node ids)."""
+    p_at(node) -> [1, V]: the target distribution at `node`; position: the absolute position of the root's
+    children (a SeedStream's bonus token is keyed by its position). Returns (emitted run, accepted node ids)."""
     node, run, accepted = 0, [], []
     for depth in range(1, tree.depth + 1):
         row = node - tree.level_starts[depth - 1]
@@ -180,5 +200,5 @@ def walk_sampled(rule, tree: DraftTree, p_at, proposals: list, generator) -> tup
         node = child
         accepted.append(node)
     leaf_p = p_at(node)  # [1, V]
-    run.append(int(sample_tokens(leaf_p, generator).item()))
+    run.append(int(sample_at(leaf_p, generator, position + len(accepted)).item()))
     return run, accepted

@@ -17,6 +17,11 @@ class ServerConfig:
     speculation: str = (
         "auto"  # draft per step: auto (when measured cheaper at this batch size) | always | never
     )
+    # seeded sampled requests: invariant (noise keyed by token position, verified with the gumbel rule: the same
+    # tokens with or without speculation, any tree or load, so the adaptive policy may back off for them; ~10%
+    # lower tau than resispec on the tiny pair) | rule (the configured rule with a seeded stream: its tau, but the
+    # tokens then depend on which steps drafted, i.e. on the load)
+    seeded_sampling: str = "invariant"
     kv_budget_tokens: int | None = None  # KV bound: rows x longest prompt+max_tokens; null = none
     # torch threads of the decoding thread; null = all cores but one, left to the event loop that streams the
     # tokens (on 2 cores, 2 torch threads fighting the event loop made batched steps ~2x slower: recipes/vllm)
@@ -61,9 +66,8 @@ class BenchConfig:
     num_requests: int = 32
     concurrencies: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # the load sweep's levels
     ignore_eos: bool = True  # load test: every request runs to max_tokens, so lost tokens show
-    # load test: each request carries a seed (bench.seed + i). Our server keeps a seeded sampled request's tokens
-    # independent of the load, so it always drafts and the adaptive policy cannot back off for it; false sends
-    # unseeded requests, as most clients do
+    # load test: each request carries a seed (bench.seed + i); false sends unseeded requests, as most clients do (our
+    # server decodes a seeded request with server.seeded_sampling)
     seeded_requests: bool = True
     seed: int = 0
     output_dir: str | None = None  # default: the Hydra run folder

@@ -26,8 +26,10 @@ step after (4x less often while the ratio is beyond CLEAR_MARGIN). A drafting st
 not measured (it carries that catch-up). `cost_table()` shows per batch-size bucket the measured medians per mode,
 the model's ratio at the bucket's size and the share of steps that drafted; an INFO line every LOG_EVERY steps says
 the same. Under decode.tree=auto the plan has two halves: a batch of greedy rows drafts the tree planned at
-temperature 0 (`greedy_trees_by_batch`), any other batch the tree planned at the sampled temperature. Seeded sampled
-rows always draft (unless `never`), so a seeded request's tokens never depend on its neighbours or on the load.
+temperature 0 (`greedy_trees_by_batch`), any other batch the tree planned at the sampled temperature. A seeded
+request's tokens never depend on its neighbours, the load or the mode: its row samples with a SeedStream (noise keyed
+by token position, verified with the `gumbel` rule), which emits the same token at every position whether the row
+drafted or not, so the policy treats it as any other row.
 
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
 (running + 1) x the longest worst-case row fits (prompt + max_tokens; on the speculative batch with room for the
@@ -148,11 +150,6 @@ class StepCostModel:
 def _bucket(size: int) -> int:
     """Batch sizes share cost measurements by power-of-two bucket (1, 2, 3-4, 5-8, ...): the bucket's top size."""
     return 1 << max(0, size - 1).bit_length()
-
-
-def _seeded(params) -> bool:
-    """A seeded sampled request: it always drafts, so its tokens never depend on the load."""
-    return params.seed is not None and params.temperature > 0
 
 
 class Scheduler:
@@ -371,14 +368,14 @@ class Scheduler:
                 self._finish(task)
                 del rows[id(task.row)]
         if rows:
-            out = self._batch_step(rows)
+            out = self._batch_step()
             for row, chunk in out:
                 task = rows[id(row)]
                 task.emit(chunk)
                 if row.finished:
                     self._finish(task)
 
-    def _batch_step(self, rows: dict) -> list:
+    def _batch_step(self) -> list:
         """One step of the batch; on the speculative batch, each row drafts or not as the policy says."""
         if not self.spec_batch:
             return self.batched.step()
@@ -388,20 +385,15 @@ class Scheduler:
         greedy = self._greedy_batch = all(r.greedy for r in self.batched.rows)
         mode = self._choose(rows_before, greedy)
         drafting = self.tree_at(size, greedy) if mode else False  # the tree rows draft this step (False: AR)
-        # seeded sampled rows always draft the engine's own tree: their tokens never depend on the load
-        flags = [
-            True if self.speculation != "never" and _seeded(rows[id(r)].job.params) else drafting
-            for r in self.batched.rows
-        ]
-        out = self.batched.step(flags)
+        out = self.batched.step(drafting)
         tokens = sum(len(chunk) for _, chunk in out)
         catching_up = self._ar_rows_before and bool(drafting)
-        if tokens and all(f is drafting for f in flags) and not catching_up:  # a pure step measures its mode
+        if tokens and not catching_up:  # a pure step measures its mode
             self._pure = (drafting, rows_before, tokens, greedy)  # _cycle measures it
-        self._ar_rows_before = not all(flags)
+        self._ar_rows_before = not drafting
         counts = self.step_counts.setdefault(size, [0, 0])
         counts[0] += 1
-        counts[1] += all(flags)
+        counts[1] += bool(drafting)
         self._steps += 1
         if self._steps % LOG_EVERY == 0 and self.speculation == "auto":
             log.info("adaptive speculation, %d steps: %s", self._steps, self._policy_line())

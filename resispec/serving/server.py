@@ -153,6 +153,7 @@ def build_engine(
         max_batch_size=server.max_batch_size,
         kv_budget=server.kv_budget_tokens,
         speculation=server.speculation,
+        seeded_sampling=server.seeded_sampling,
         trees_by_batch=sampled,
         greedy_trees_by_batch=greedy,
     )

@@ -18,7 +18,10 @@ from typing import Any, Protocol
 
 import torch
 
+from resispec.sampling import SeedStream
 from resispec.serving.scheduler import QueueFullError, RequestTooLargeError, Scheduler
+
+SEEDED_SAMPLING = ("invariant", "rule")  # server.seeded_sampling
 
 __all__ = [
     "DecodeWorker",
@@ -65,7 +68,8 @@ class DecoderEngine:
     (tokens, None = unbounded) bounds the batch cache; `speculation` (auto | always | never) is the scheduler's
     per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
     output under decode.tree=auto) is the tree speculative steps draft at each batch size; `greedy_trees_by_batch`
-    the same for batches of greedy rows (None: `trees_by_batch`)."""
+    the same for batches of greedy rows (None: `trees_by_batch`); `seeded_sampling` (invariant | rule) how a seeded
+    request samples (`generator`)."""
 
     def __init__(
         self,
@@ -77,7 +81,13 @@ class DecoderEngine:
         speculation: str = "auto",
         trees_by_batch: dict[int, list[int] | None] | None = None,
         greedy_trees_by_batch: dict[int, list[int] | None] | None = None,
+        seeded_sampling: str = "invariant",
     ) -> None:
+        if seeded_sampling not in SEEDED_SAMPLING:
+            raise ValueError(
+                f"server.seeded_sampling must be one of {SEEDED_SAMPLING}, got {seeded_sampling!r}"
+            )
+        self.seeded_sampling = seeded_sampling
         self.decoder = decoder
         self.trees_by_batch, self.greedy_trees_by_batch = trees_by_batch, greedy_trees_by_batch
         self.tokenizer = tokenizer
@@ -94,8 +104,13 @@ class DecoderEngine:
             batched = BatchedSpeculativeDecoder if speculative else BatchedDecoder
             self.batched = batched.from_decoder(decoder)
 
-    def generator(self, params: SamplingParams) -> torch.Generator:
-        """The request's random stream: seeded when it names a seed, fresh entropy otherwise."""
+    def generator(self, params: SamplingParams) -> torch.Generator | SeedStream:
+        """The request's random stream. Under seeded_sampling=invariant a seeded request gets a SeedStream: its
+        noise is keyed by token position, so its tokens are the same with or without speculation, with any tree
+        and any neighbours, and the scheduler may switch speculation for it by load (it verifies with the `gumbel`
+        rule). Otherwise a torch.Generator (seeded, or fresh entropy) and the configured rule."""
+        if params.seed is not None and self.seeded_sampling == "invariant":
+            return SeedStream(params.seed, self.device)
         generator = torch.Generator(device=self.device)
         if params.seed is not None:
             generator.manual_seed(params.seed)

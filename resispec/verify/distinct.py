@@ -29,9 +29,12 @@ from resispec.verify.base import (
 from resispec.verify.iid import greedy_step
 
 
-def gumbel_top(q: Tensor, n: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """n draws without replacement from q [B, V] (Gumbel-top-n, in draw order) -> tokens [B, n], noise [B, V]."""
-    noise = gumbel_noise(q, generator)
+def gumbel_top(
+    q: Tensor, n: int, generator: torch.Generator | None, noise: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """n draws without replacement from q [B, V] (Gumbel-top-n, in draw order) -> tokens [B, n], noise [B, V].
+    `noise` (broadcastable to q) gives the Gumbel noise instead of drawing it from the generator."""
+    noise = gumbel_noise(q, generator) if noise is None else noise.expand_as(q)
     keys = torch.log(q) + noise  # log 0 = -inf: never drawn
     return top_distinct(keys, q > 0, n), noise
 
@@ -186,8 +189,12 @@ class GumbelRule:
     surrogate_draws: int | None = 0
     greedy_only = False
 
-    def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
-        tokens, noise = gumbel_top(q, check_draws(n), generator)
+    def propose(
+        self, q: Tensor, n: int, generator: torch.Generator | None = None, noise: Tensor | None = None
+    ) -> Proposal:
+        """`noise` [1 or B, V]: draft with this Gumbel noise (a SeedStream's, keyed by position) instead of the
+        generator's."""
+        tokens, noise = gumbel_top(q, check_draws(n), generator, noise)
         return Proposal(token_ids=tokens, q=q, noise=noise)
 
     @torch.no_grad()

@@ -161,6 +161,20 @@ def test_seeded_request_ignores_its_neighbours(serve, one_thread):
     crowd = _complete_all(url, neighbours[:3] + [body] + neighbours[3:])
     assert crowd[3].json()["choices"][0]["text"] == alone
     assert sched.peak_running > 1
+    # a seeded request's tokens do not depend on the mode either: the speculative server, alone and in a crowd
+    # where the adaptive policy switches speculation by load, emits the same text
+    for speculation in ("always", "auto"):
+        url, sched = serve(max_batch_size=8, speculation=speculation)
+        assert _complete_all(url, [body])[0].json()["choices"][0]["text"] == alone
+        crowd = _complete_all(url, neighbours[:3] + [body] + neighbours[3:])
+        assert crowd[3].json()["choices"][0]["text"] == alone
+    # seeded_sampling=rule: the configured rule with a seeded stream (reproducible, but the tokens depend on the
+    # steps that drafted); a value that is neither is refused
+    url, _ = serve(max_batch_size=8, speculation="always", seeded_sampling="rule")
+    first, again = (_complete_all(url, [body])[0].json()["choices"][0]["text"] for _ in range(2))
+    assert first == again != alone
+    with pytest.raises(ValueError, match="seeded_sampling"):
+        serve(seeded_sampling="fixed")
 
 
 def test_kv_budget_bounds_the_batch(serve, pair, one_thread):

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from resispec.sampling import SeedStream
 from resispec.serving.text import encode_text
 from tests.smoke.test_server import (
     HEADERS,
@@ -377,9 +378,10 @@ def test_logprobs_equal_plain_ar_decoding(conn, pair, settings):
     }
     res = conn.post(C, json=body).json()
     lp = res["choices"][0]["logprobs"]
-    # the tokens the server emitted: the same decoder with the same seed
+    # the tokens the server emitted: the same decoder with the same seed (a seeded request samples with a
+    # SeedStream: the same tokens whatever the tree or mode)
     dec = SpeculativeDecoder(target, draft, rule=RULE, tree=TREE, tokenizer=tok)
-    gen = torch.Generator().manual_seed(settings.get("seed", 0))
+    gen = SeedStream(settings["seed"]) if "seed" in settings else torch.Generator().manual_seed(0)
     kw = {k: v for k, v in settings.items() if k != "seed"}
     out = dec.generate(torch.tensor([prompt_ids]), max_new_tokens=16, eos_token_id=[], generator=gen, **kw)
     new_ids = out.sequences[0, len(prompt_ids) :].tolist()

@@ -12,17 +12,11 @@ from scipy.stats import chi2
 from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
 from resispec.verify import VERIFIERS
-from tests.unit.test_decoding_helpers import micro_llama, single_thread
+from tests.unit.test_decoding_helpers import micro_llama, one_thread_per_module  # noqa: F401 (autouse fixture)
 
 VOCAB = 64
 NEW = 24
 LENGTHS = (1, 5, 12, 3, 20)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,11 @@ import torch
 from resispec.decoding import SpeculativeDecoder, TokenizerMismatchError
 from resispec.decoding.kv_cache import cache_length, forward_logits, new_cache
 from resispec.verify import VERIFIERS
-from tests.unit.test_decoding_helpers import micro_arch, micro_llama, noisy_copy, single_thread
+from tests.unit.test_decoding_helpers import micro_arch, micro_llama, noisy_copy, one_thread_per_module  # noqa: F401 (autouse fixture)
 
 VOCAB = 96
 SHAPES = [[1, 1, 1, 1], [4, 2, 1], [3, 3, 3], [2, 2, 2, 2]]
 NEW_TOKENS = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

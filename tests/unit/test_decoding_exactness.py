@@ -19,7 +19,7 @@ from scipy.stats import chi2
 from resispec import sampling
 from resispec.decoding import SpeculativeDecoder
 from resispec.verify import VERIFIERS
-from tests.unit.test_decoding_helpers import micro_llama, noisy_copy, single_thread
+from tests.unit.test_decoding_helpers import micro_llama, noisy_copy, one_thread_per_module  # noqa: F401 (autouse fixture)
 
 VOCAB = 16
 SETTINGS = dict(temperature=0.8, top_k=12, top_p=1.0)
@@ -28,12 +28,6 @@ DELTA = 1e-4
 PROMPT = torch.tensor([[3]])  # one token: no target prefill, so a sample costs one or two steps
 # the rules exact at temperature > 0 (greedy is the temperature-0 rule: tests/unit/test_decoding.py covers it)
 SAMPLING_RULES = sorted(name for name, rule in VERIFIERS.items() if not rule.greedy_only)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -79,3 +80,10 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_module():
+    """single_thread() for a whole test module: import it into the module (an autouse fixture)."""
+    with single_thread():
+        yield

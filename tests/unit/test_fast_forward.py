@@ -19,16 +19,10 @@ from resispec.decoding.kv_cache import (
     select_cache_rows,
     tree_attention_mask,
 )
-from tests.unit.test_decoding_helpers import micro_arch, micro_llama, single_thread
+from tests.unit.test_decoding_helpers import micro_arch, micro_llama, one_thread_per_module  # noqa: F401 (autouse fixture)
 
 VOCAB = 96
 TOL = dict(atol=2e-4, rtol=2e-4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
 
 
 def _model(arch: str, seed: int = 0, **extra):

@@ -644,20 +644,18 @@ def test_greedy_batches_draft_the_greedy_plan():
         batched=batched, trees_by_batch={1: [1, 1, 1], 2: None}, greedy_trees_by_batch={1: [3], 2: [2, 1]}
     )
     sched = Scheduler(engine, max_batch_size=4, speculation="auto")
-    unseeded = SimpleNamespace(job=SimpleNamespace(params=SimpleNamespace(seed=None, temperature=0.0)))
-    tasks = {id(r): unseeded for r in batched.rows}
     try:
         assert sched.tree_at(1, greedy=True) == (3,) and sched.tree_at(1) == (1, 1, 1)
         assert sched.tree_at(2, greedy=True) == (2, 1) and sched.tree_at(2) == (1,)  # planned none: probe [1]
         sched._probing[2] = 0
         sched.step_counts[2] = [1, 0]  # no probe starts at the next step
         sched._pure = None
-        sched._batch_step(tasks)
-        assert batched.flags[-1] == [(2, 1), (2, 1)] and sched._pure[3] is True
+        sched._batch_step()
+        assert batched.flags[-1] == (2, 1) and sched._pure[3] is True
         sched._measure(*sched._pure, 0.01)
         batched.rows[1].greedy = False  # one sampled row: the sampled plan, which says AR at 2 rows
-        sched._batch_step(tasks)
-        assert batched.flags[-1] == [False, False]
+        sched._batch_step()
+        assert batched.flags[-1] is False
         assert ((2, 1), True) in sched.models and not any(k[1] is False for k in sched.models if k != "ar")
     finally:
         sched.close()
@@ -665,8 +663,8 @@ def test_greedy_batches_draft_the_greedy_plan():
 
 def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
     """A pure step is measured over its whole cycle (admission, step, hand-off). A drafting step after a step with
-    AR rows feeds the draft what they skipped: not measured; nor is a step where a seeded row drafted beside AR
-    rows, nor a cycle that admitted a whole wave. A newcomer's target prefill is left out of the cycle's time."""
+    AR rows feeds the draft what they skipped: not measured; nor is a cycle that admitted a whole wave. A
+    newcomer's target prefill is left out of the cycle's time."""
     import time
     from types import SimpleNamespace
 
@@ -678,31 +676,26 @@ def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
         def __init__(self):
             self.rows = [SimpleNamespace(greedy=False), SimpleNamespace(greedy=False)]
 
-        def step(self, flags):
-            return [(r, [7] * (2 if f else 1)) for r, f in zip(self.rows, flags, strict=True)]
+        def step(self, flag):
+            return [(r, [7] * (2 if flag else 1)) for r in self.rows]
 
     batched = Batch()
     engine = SimpleNamespace(batched=batched, trees_by_batch={})
     sched = Scheduler(engine, max_batch_size=4, speculation="auto")
-    tasks = {
-        id(r): SimpleNamespace(job=SimpleNamespace(params=SimpleNamespace(seed=None, temperature=1.0)))
-        for r in batched.rows
-    }
     try:
         modes = iter([False, True, True, False, True, True, True])
         sched._choose = lambda rows, greedy: next(modes)
-        sched._step = lambda: sched._batch_step(tasks)
+        sched._step = sched._batch_step
         for _ in range(3):  # AR, drafting (catch-up), drafting
             sched._cycle()
         assert len(sched.models["ar"]) == 1 and len(sched.models[((3,), False)]) == 1
-        tasks[id(batched.rows[0])].job.params.seed = 3  # a seeded row drafts while the policy says AR
-        sched._cycle()
-        sched._cycle()  # all draft, but after a step with an AR row
-        assert len(sched.models["ar"]) == 1 and len(sched.models[((3,), False)]) == 1
+        sched._cycle()  # AR
+        sched._cycle()  # drafting after an AR step
+        assert len(sched.models["ar"]) == 2 and len(sched.models[((3,), False)]) == 1
         sched._admit = lambda: 2  # a wave admitted at once: its prefills are not a step's cost
         sched._cycle()
-        assert len(sched.models["ar"]) == 1 and len(sched.models[((3,), False)]) == 1
-        assert sched.cost_table()[2]["drafted"] == 4 / 6  # steps in which every row drafted
+        assert len(sched.models["ar"]) == 2 and len(sched.models[((3,), False)]) == 1
+        assert sched.cost_table()[2]["drafted"] == 4 / 6  # steps in which the rows drafted
 
         def admit_one():  # a newcomer whose target prefill took 200 ms (as _start records it)
             time.sleep(0.2)
