@@ -70,14 +70,20 @@ def sample_joint(dec: SpeculativeDecoder, num: int, seed: int) -> torch.Tensor:
     return counts.reshape(VOCAB, VOCAB, VOCAB)
 
 
-def check_rule(rule: str, num: int, world, lean: bool = True) -> None:
-    target, draft, joint, draft_joint = world
+def powered_critical_value(joint: torch.Tensor, draft_joint: torch.Tensor, num: int) -> float:
+    """The (1 - DELTA) critical value of pearson() for `num` samples, after checking power: a decoder emitting the
+    draft's samples would exceed it by a wide margin in expectation."""
     big = (num * joint >= 5).flatten()
     crit = chi2.ppf(1 - DELTA, int(big.sum()))
-    # power: a decoder emitting draft samples would exceed the critical value by a wide margin in expectation
     jt, jd = joint.flatten(), draft_joint.flatten()
     pooled = torch.cat([(jd - jt)[big], (jd - jt)[~big].sum()[None]]) ** 2
     assert float(num * (pooled / torch.cat([jt[big], jt[~big].sum()[None]])).sum()) > 5 * crit
+    return crit
+
+
+def check_rule(rule: str, num: int, world, lean: bool = True) -> None:
+    target, draft, joint, draft_joint = world
+    crit = powered_critical_value(joint, draft_joint, num)
     dec = SpeculativeDecoder(target, draft, rule=rule, tree=TREE, lean=lean)
     counts = sample_joint(dec, num, seed=SAMPLING_RULES.index(rule))
     stat, df = pearson(counts, joint, num)
