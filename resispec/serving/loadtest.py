@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -77,14 +78,31 @@ def _spec_counters(text: str) -> tuple[float, float]:
     return drafts, accepted
 
 
+def request_max_tokens(bench: BenchConfig, i: int) -> int:
+    """max_tokens of the load test's request i: bench.max_new_tokens, or with bench.output_len_range_ratio = r a
+    length drawn uniformly from [L (1 - r), L (1 + r)] (vLLM's --random-range-ratio), the same for request i on
+    every server (seeded by bench.seed + i)."""
+    r, n = bench.output_len_range_ratio, bench.max_new_tokens
+    if not r:
+        return n
+    return max(1, round(n * (1 - r + 2 * r * random.Random(bench.seed + i).random())))
+
+
 async def _one(
-    client: httpx.AsyncClient, model: str, prompt: str, bench: BenchConfig, temperature: float, seed: int
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: str,
+    bench: BenchConfig,
+    temperature: float,
+    seed: int,
+    max_tokens: int | None = None,
 ) -> tuple[float, float, int]:
-    """One streamed completion -> (latency, ttft, completion tokens)."""
+    """One streamed completion (max_tokens: bench.max_new_tokens unless given) -> (latency, ttft, completion
+    tokens)."""
     body = {
         "model": model,
         "prompt": prompt,
-        "max_tokens": bench.max_new_tokens,
+        "max_tokens": bench.max_new_tokens if max_tokens is None else max_tokens,
         "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -131,17 +149,16 @@ async def _load_test(
         metrics_before = (await client.get("/metrics")).text
         temperature = bench.temperatures[0] if bench.temperatures else 1.0
         sem = asyncio.Semaphore(concurrency)
-        results: list[tuple[float, float, int]] = []
+        results: list[tuple[float, float, int, int]] = []  # latency, ttft, tokens, max_tokens asked
         failures: list[str] = []
 
         async def worker(i: int) -> None:
             async with sem:
                 try:
-                    results.append(
-                        await _one(
-                            client, model, prompts[i % len(prompts)], bench, temperature, bench.seed + i
-                        )
-                    )
+                    asked = request_max_tokens(bench, i)
+                    prompt = prompts[i % len(prompts)]
+                    out = await _one(client, model, prompt, bench, temperature, bench.seed + i, asked)
+                    results.append((*out, asked))
                 except Exception as exc:  # counted, reported; the test goes on
                     failures.append(str(exc))
 
@@ -171,7 +188,7 @@ async def _load_test(
         ttft_p50=percentile(ttfts, 50),
         ttft_p95=percentile(ttfts, 95),
         server_tau=1 + (a1 - a0) / (d1 - d0) if d1 > d0 else None,
-        num_short=sum(r[2] < bench.max_new_tokens for r in results) if bench.ignore_eos else 0,
+        num_short=sum(r[2] < r[3] for r in results) if bench.ignore_eos else 0,
     )
 
 

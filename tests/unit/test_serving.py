@@ -513,6 +513,18 @@ def test_load_requests_carry_a_seed_unless_told_not_to():
     assert "seed" not in bodies[-1] and bodies[-1]["temperature"] == 1.0
 
 
+def test_request_lengths_vary_by_the_range_ratio_the_same_on_every_server():
+    from resispec.serving.config import BenchConfig
+    from resispec.serving.loadtest import request_max_tokens
+
+    assert {request_max_tokens(BenchConfig(max_new_tokens=48), i) for i in range(50)} == {48}
+    bench = BenchConfig(max_new_tokens=48, output_len_range_ratio=0.5)
+    lengths = [request_max_tokens(bench, i) for i in range(400)]
+    assert lengths == [request_max_tokens(bench, i) for i in range(400)]  # deterministic per request
+    assert min(lengths) >= 24 and max(lengths) <= 72 and len(set(lengths)) > 30
+    assert abs(sum(lengths) / len(lengths) - 48) < 2
+
+
 def test_step_cost_model_fits_a_line_in_the_rows():
     """Seconds per step as a least-squares line in the rows (an occasional dear step counts: it is a real cost),
     weighted towards the rows asked about, over the tokens each row emits; a single row count gives a flat line,
