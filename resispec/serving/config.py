@@ -70,6 +70,9 @@ class BenchConfig:
     # [max_new_tokens (1 - r), max_new_tokens (1 + r)], the same on every server (vLLM's --random-range-ratio).
     # Equal lengths keep batched AR rows in lockstep waves, which speculation breaks (recipes/vllm/README.md)
     output_len_range_ratio: float = 0.0
+    # in-process comparison (python -m resispec.serving.loadtest): rounds of the whole sweep, every mode in turn at
+    # each level, merged per (mode, level); on a machine whose speed drifts within minutes one round is noise
+    rounds: int = 1
     # load test: each request carries a seed (bench.seed + i); false sends unseeded requests, as most clients do (our
     # server decodes a seeded request with server.seeded_sampling)
     seeded_requests: bool = True

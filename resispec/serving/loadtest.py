@@ -236,6 +236,34 @@ def run_load_test(
     return res
 
 
+def merge_rounds(runs: list[LoadTestResult]) -> LoadTestResult:
+    """One result for several rounds of the same (server, level): counts and seconds summed, tokens/s and
+    requests/s over the summed wall-clock, latency percentiles and tau the mean of the rounds'."""
+    if len(runs) == 1:
+        return runs[0]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    taus = [r.server_tau for r in runs if r.server_tau is not None]
+    wall = sum(r.wall_seconds for r in runs)
+    tokens = sum(r.completion_tokens for r in runs)
+    ok = sum(r.num_ok for r in runs)
+    return replace(
+        runs[0],
+        num_requests=sum(r.num_requests for r in runs),
+        num_ok=ok,
+        num_failed=sum(r.num_failed for r in runs),
+        wall_seconds=wall,
+        completion_tokens=tokens,
+        tokens_per_second=tokens / wall if wall > 0 else 0.0,
+        requests_per_second=ok / wall if wall > 0 else 0.0,
+        latency_p50=mean([r.latency_p50 for r in runs]),
+        latency_p95=mean([r.latency_p95 for r in runs]),
+        ttft_p50=mean([r.ttft_p50 for r in runs]),
+        ttft_p95=mean([r.ttft_p95 for r in runs]),
+        server_tau=mean(taus) if taus else None,
+        num_short=sum(r.num_short for r in runs),
+    )
+
+
 def run_load_sweep(
     url: str,
     prompts: list[str],
@@ -336,6 +364,29 @@ def serving_modes(max_batch_size: int = 16) -> dict[str, dict]:
     }
 
 
+def serve_in_thread(app, log_level: str = "warning", timeout: float = 30.0):
+    """Serve `app` with uvicorn in a daemon thread on a free localhost port -> (base URL, uvicorn server, thread),
+    once it accepts requests. Stop it with `server.should_exit = True` and `thread.join()`."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.perf_counter() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.perf_counter() > deadline:
+            server.should_exit = True
+            raise RuntimeError("the uvicorn server did not start")
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", server, thread
+
+
 def compare_in_process(
     target,
     draft,
@@ -348,13 +399,10 @@ def compare_in_process(
     output_dir: str | Path | None = None,
     show: bool = True,
 ) -> list[LoadTestResult]:
-    """Serve the loaded pair once per mode (uvicorn in a thread on a free localhost port, one at a time) and sweep
-    each with the same requests; one table and plot for all."""
-    import socket
-    import threading
-
-    import uvicorn
-
+    """Serve the loaded pair once per mode (each a uvicorn in a thread on a free localhost port, all up together)
+    and load each with the same requests, interleaved: bench.rounds rounds of every concurrency level, every mode in
+    turn at each level (ABBA order). One table and plot for all, each (mode, level) merged over its rounds
+    (merge_rounds)."""
     from resispec.serving.app import create_app
     from resispec.serving.config import ServerConfig
     from resispec.serving.server import (
@@ -374,28 +422,31 @@ def compare_in_process(
         calibration = [encode_text(tokenizer, p) for p in prompts[: max(decode.plan_prompts, 1)]]
         sizes = batch_buckets(max(bench.concurrencies or [bench.concurrency]))
         plans = off_main_thread(planned_trees, target, draft, decode, calibration, sizes)
-    results, costs = [], {}
-    for label, overrides in (modes or serving_modes()).items():
-        overrides = dict(overrides)
-        dec = replace(decode, rule=overrides.pop("rule", decode.rule))
-        server = ServerConfig(model_name="resispec", log_level="warning", **overrides)
-        engine = build_engine(target, draft, tokenizer, dec, server, plans=plans)
-        app = create_app(engine, tokenizer, server, dec, max_model_len=max_model_len)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=uv.run, daemon=True)
-        thread.start()
-        try:
-            while not uv.started:
-                if not thread.is_alive():
-                    raise RuntimeError(f"the {label!r} server did not start")
-                time.sleep(0.05)
-            results += run_load_sweep(f"http://127.0.0.1:{port}", prompts, bench, show=False, label=label)
-            costs[label] = app.state.server.worker.scheduler.cost_table()
-        finally:
+    servers: dict[str, tuple] = {}  # label -> (url, uvicorn server, thread, app)
+    try:
+        for label, overrides in (modes or serving_modes()).items():
+            overrides = dict(overrides)
+            dec = replace(decode, rule=overrides.pop("rule", decode.rule))
+            server = ServerConfig(model_name="resispec", log_level="warning", **overrides)
+            engine = build_engine(target, draft, tokenizer, dec, server, plans=plans)
+            app = create_app(engine, tokenizer, server, dec, max_model_len=max_model_len)
+            servers[label] = (*serve_in_thread(app), app)
+        # interleaved: per round and level every mode in turn, the order reversed every other round (ABBA), so a
+        # machine that drifts within minutes weighs on every mode alike
+        runs: dict[tuple[str, int], list[LoadTestResult]] = {}
+        labels = list(servers)
+        for r in range(max(1, bench.rounds)):
+            for level in bench.concurrencies:
+                for label in labels if r % 2 == 0 else labels[::-1]:
+                    one = replace(bench, concurrencies=[level])
+                    res = run_load_sweep(servers[label][0], prompts, one, show=False, label=label)[0]
+                    runs.setdefault((label, level), []).append(res)
+        results = [merge_rounds(runs[(label, level)]) for label in labels for level in bench.concurrencies]
+        costs = {label: servers[label][3].state.server.worker.scheduler.cost_table() for label in labels}
+    finally:
+        for _, uv, _, _ in servers.values():
             uv.should_exit = True
+        for _, _, thread, _ in servers.values():
             thread.join(30)
     lines = [
         f"| {label} | {b} | {c['tree'] if c['spec'] is not None else '-'} | "

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -17,6 +15,7 @@ import pytest
 import torch
 
 from resispec.decoding.tree import max_tree_nodes
+from resispec.serving.loadtest import serve_in_thread
 from resispec.serving.text import decode_ids, encode_text
 
 PROMPTS = ["def main():\n", "import os\n", "class Foo:\n    def ", "for i in range(", "return self.", "x = ["]
@@ -34,7 +33,6 @@ def pair(micro_world):
 @pytest.fixture(scope="module")
 def serve(pair):
     """Factory: ServerConfig overrides -> (base URL, scheduler); every server is stopped at the end."""
-    import uvicorn
 
     from resispec.decoding.config import DecodeConfig
     from resispec.serving.app import create_app
@@ -50,18 +48,9 @@ def serve(pair):
         engine = build_engine(target, draft, tok, decode, server)
         engine.trees_by_batch = trees_by_batch  # what decode.tree=auto plans (tests/smoke/test_tree_auto.py)
         app = create_app(engine, tok, server, decode, max_model_len=256)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-        thread = threading.Thread(target=uv.run, daemon=True)
-        thread.start()
-        deadline = time.time() + 20
-        while not uv.started:
-            assert time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        url, uv, thread = serve_in_thread(app, log_level="error")
         servers.append((uv, thread))
-        return f"http://127.0.0.1:{port}", app.state.server.worker.scheduler
+        return url, app.state.server.worker.scheduler
 
     yield start
     for uv, thread in servers:
@@ -235,11 +224,12 @@ def test_in_process_comparison(pair, tmp_path, one_thread):
 
     target, draft, tok = pair
     modes = {k: v for k, v in serving_modes(4).items() if k in ("one-at-a-time AR", "batched adaptive")}
-    bench = BenchConfig(concurrencies=[2], num_requests=2, max_new_tokens=6, temperatures=[0.0])
+    # two interleaved rounds, merged per (mode, level)
+    bench = BenchConfig(concurrencies=[2], num_requests=2, max_new_tokens=6, temperatures=[0.0], rounds=2)
     decode = DecodeConfig(rule="resispec", tree=[2, 1])
     results = compare_in_process(
         target, draft, tok, decode, PROMPTS, bench, modes, max_model_len=256, output_dir=tmp_path, show=False
     )
     assert [r.label for r in results] == list(modes)
-    assert all(r.num_ok == 2 and r.num_short == 0 for r in results)
+    assert all(r.num_ok == 4 and r.num_short == 0 and r.completion_tokens == 24 for r in results)
     assert "batch size" in (tmp_path / "sweep.md").read_text()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import threading
 import time
 from pathlib import Path
@@ -14,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from resispec.serving.app import create_app
 from resispec.serving.config import BenchConfig, ServerConfig
+from resispec.serving.loadtest import serve_in_thread
 from resispec.serving.text import TextAssembler, fallback_chat_prompt
 
 ALPHABET = "abcdefghij \n"
@@ -89,18 +88,9 @@ def serve_fake():
         app = create_app(engine, CharTokenizer(), ServerConfig(model_name="m", **cfg), max_model_len=40)
         if patch is not None:
             patch(app)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.time() + 10
-        while not server.started:
-            assert time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        url, server, thread = serve_in_thread(app, log_level="error", timeout=10)
         servers.append((server, thread))
-        return f"http://127.0.0.1:{port}"
+        return url
 
     yield start
     for server, thread in servers:
@@ -474,7 +464,6 @@ def test_serving_threads_take_every_core_or_leave_one():
 
 
 def test_off_main_thread_returns_and_raises_from_another_thread():
-    import threading
 
     from resispec.serving.server import off_main_thread
 
@@ -511,6 +500,41 @@ def test_load_requests_carry_a_seed_unless_told_not_to():
     assert asyncio.run(run(BenchConfig()))[2] == 1 and bodies[-1]["seed"] == 7
     asyncio.run(run(BenchConfig(seeded_requests=False)))
     assert "seed" not in bodies[-1] and bodies[-1]["temperature"] == 1.0
+
+
+def test_rounds_merge_over_the_summed_wall_clock():
+    from resispec.serving.loadtest import LoadTestResult, merge_rounds
+
+    def run(wall, tokens, p50, tau):
+        return LoadTestResult(
+            "u",
+            "m",
+            4,
+            8,
+            8,
+            0,
+            1.0,
+            48,
+            wall,
+            tokens,
+            tokens / wall,
+            8 / wall,
+            p50,
+            2 * p50,
+            0.1,
+            0.2,
+            tau,
+            0,
+            "x",
+        )
+
+    a, b = run(2.0, 384, 1.0, 1.5), run(4.0, 384, 2.0, None)
+    m = merge_rounds([a, b])
+    assert (
+        m.tokens_per_second == 768 / 6.0 and m.num_ok == 16 and m.num_requests == 16
+    )  # not the mean of rates
+    assert m.latency_p50 == 1.5 and m.latency_p95 == 3.0 and m.server_tau == 1.5 and m.label == "x"
+    assert merge_rounds([a]) is a
 
 
 def test_request_lengths_vary_by_the_range_ratio_the_same_on_every_server():
