@@ -115,8 +115,8 @@ class SeedStream:
     speculation, with any tree, draft or neighbours in a batch. The decoders take a SeedStream wherever they take
     a torch.Generator; a plain Generator keeps the configured rule and consumes its stream in drafting order."""
 
-    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
-        self.seed, self.device = int(seed), torch.device(device)
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
 
     def __repr__(self) -> str:
         return f"SeedStream(seed={self.seed})"

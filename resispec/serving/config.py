@@ -68,7 +68,8 @@ class BenchConfig:
     ignore_eos: bool = True  # load test: every request runs to max_tokens, so lost tokens show
     # load test: 0 = every request asks max_new_tokens; r > 0 = request i asks a length drawn uniformly from
     # [max_new_tokens (1 - r), max_new_tokens (1 + r)], the same on every server (vLLM's --random-range-ratio).
-    # Equal lengths keep batched AR rows in lockstep waves, which speculation breaks (recipes/vllm/README.md)
+    # (equal lengths let batched AR rows run in lockstep waves; four runs did not show that it matters beyond the
+    # run-to-run noise: recipes/vllm/README.md, "Unequal request lengths")
     output_len_range_ratio: float = 0.0
     # in-process comparison (python -m resispec.serving.loadtest): rounds of the whole sweep, every mode in turn at
     # each level, merged per (mode, level); on a machine whose speed drifts within minutes one round is noise

@@ -110,7 +110,7 @@ class DecoderEngine:
         and any neighbours, and the scheduler may switch speculation for it by load (it verifies with the `gumbel`
         rule). Otherwise a torch.Generator (seeded, or fresh entropy) and the configured rule."""
         if params.seed is not None and self.seeded_sampling == "invariant":
-            return SeedStream(params.seed, self.device)
+            return SeedStream(params.seed)
         generator = torch.Generator(device=self.device)
         if params.seed is not None:
             generator.manual_seed(params.seed)

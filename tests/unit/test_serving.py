@@ -464,7 +464,6 @@ def test_serving_threads_take_every_core_or_leave_one():
 
 
 def test_off_main_thread_returns_and_raises_from_another_thread():
-
     from resispec.serving.server import off_main_thread
 
     main = threading.get_ident()
@@ -506,33 +505,17 @@ def test_rounds_merge_over_the_summed_wall_clock():
     from resispec.serving.loadtest import LoadTestResult, merge_rounds
 
     def run(wall, tokens, p50, tau):
+        rates = dict(tokens_per_second=tokens / wall, requests_per_second=8 / wall)
         return LoadTestResult(
-            "u",
-            "m",
-            4,
-            8,
-            8,
-            0,
-            1.0,
-            48,
-            wall,
-            tokens,
-            tokens / wall,
-            8 / wall,
-            p50,
-            2 * p50,
-            0.1,
-            0.2,
-            tau,
-            0,
-            "x",
-        )
+            url="u", model="m", concurrency=4, num_requests=8, num_ok=8, num_failed=0, temperature=1.0,
+            max_tokens=48, wall_seconds=wall, completion_tokens=tokens, latency_p50=p50, latency_p95=2 * p50,
+            ttft_p50=0.1, ttft_p95=0.2, server_tau=tau, label="x", **rates,
+        )  # fmt: skip
 
     a, b = run(2.0, 384, 1.0, 1.5), run(4.0, 384, 2.0, None)
     m = merge_rounds([a, b])
-    assert (
-        m.tokens_per_second == 768 / 6.0 and m.num_ok == 16 and m.num_requests == 16
-    )  # not the mean of rates
+    # tokens/s over the summed wall-clock, not the mean of the rounds' rates
+    assert m.tokens_per_second == 768 / 6.0 and m.num_ok == 16 and m.num_requests == 16
     assert m.latency_p50 == 1.5 and m.latency_p95 == 3.0 and m.server_tau == 1.5 and m.label == "x"
     assert merge_rounds([a]) is a
 
@@ -612,9 +595,8 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert len(spec) == 7 and sched.stalls == 1 and "stalls left out: 1" in sched._policy_line()
         sched._measure(True, 15, 1.5 * 15, False, 2 * (0.009 + 0.002 * 15))
         assert len(spec) == 8 and sched.stalls == 1
-        slow = (
-            StepCostModel()
-        )  # a machine that stays 20x slower is recorded again once the median has followed it
+        # a machine that stays 20x slower is recorded again once the median has followed it
+        slow = StepCostModel()
         sched.models[((3,), False)] = slow
         for _ in range(12):
             sched._measure(True, 15, 1.5 * 15, False, 20 * (0.009 + 0.002 * 15))
