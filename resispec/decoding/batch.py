@@ -97,6 +97,32 @@ def _slot_order(old: list[BatchRow], keep: list[BatchRow], device) -> tuple[list
     return rows, torch.tensor([slot[id(r)] for r in rows], dtype=torch.long, device=device)
 
 
+def _next_tokens(rows: list[BatchRow], logits: torch.Tensor) -> list[int]:
+    """Each row's next token from its logits [B, V] at the position after its last one: argmax for greedy rows,
+    one draw from the sampling transform with the row's own generator (sample_at) for the others. One host sync."""
+    tokens = logits.argmax(dim=-1)  # [B]; sampled rows overwrite theirs
+    for b, row in enumerate(rows):
+        if not row.greedy:
+            p = process_logits(logits[b : b + 1], **row.settings)
+            tokens[b] = sample_at(p, row.generator, row.length + 1)[0]
+    return tokens.tolist()
+
+
+def _emit_one_each(
+    rows: list[BatchRow], tokens: list[int], seconds: float
+) -> list[tuple[BatchRow, list[int]]]:
+    """The bookkeeping of an autoregressive step: each row takes its token as its new root."""
+    out = []
+    for row, tok in zip(rows, tokens, strict=True):
+        row.length += 1
+        row.root = tok
+        row.stats.target_forwards += 1
+        row.stats.target_seconds += seconds
+        row.emit(tok)
+        out.append((row, [tok]))
+    return out
+
+
 class BatchedDecoder:
     """Batched autoregressive decoding of `target` (an HF causal LM, sdpa or eager attention).
 
@@ -226,22 +252,9 @@ class BatchedDecoder:
         logits = forward_logits(self._target_fwd, ids, self.cache, lengths[:, None], mask)[
             :, -1, : self.vocab_size
         ]
-        tokens = logits.argmax(dim=-1)  # [B]; sampled rows overwrite theirs
-        for b, row in enumerate(rows):
-            if not row.greedy:
-                p = process_logits(logits[b : b + 1], **row.settings)
-                tokens[b] = sample_at(p, row.generator, row.length + 1)[0]
-        tokens = tokens.tolist()  # the step's one host sync
+        tokens = _next_tokens(rows, logits)
         self.num_cols += 1
-        dt = time.perf_counter() - t0
-        out = []
-        for row, tok in zip(rows, tokens, strict=True):
-            row.length += 1
-            row.root = tok
-            row.stats.target_forwards += 1
-            row.stats.target_seconds += dt
-            row.emit(tok)
-            out.append((row, [tok]))
+        out = _emit_one_each(rows, tokens, time.perf_counter() - t0)
         self._keep([r for r in rows if not r.finished])
         return out
 
@@ -464,6 +477,8 @@ class BatchedSpeculativeDecoder:
             min(len(sh), r.max_new_tokens - len(r.generated) - 1) for r, sh in zip(rows, shapes, strict=True)
         ]
         draft = any(lims)  # whether the draft runs this step (it then takes every row's pending tokens)
+        if not draft:
+            return self._ar_step(rows, flags, t0)
         trees = [DraftTree(r.root, max_tree_nodes(sh)) for r, sh in zip(rows, shapes, strict=True)]
         proposals: list[list] = [[] for _ in rows]
         fed = [0] * nb  # deepest tree level each row's draft has processed
@@ -609,5 +624,29 @@ class BatchedSpeculativeDecoder:
         self.tcache.append(t_valid)
         self.tcache.compact()
         self.dcache.compact()
+        self._keep([r for r in rows if not r.finished])
+        return out
+
+    def _ar_step(self, rows: list[BatchRow], flags: list, t0: float) -> list[tuple[BatchRow, list[int]]]:
+        """A step in which no row drafts: BatchedDecoder's step on the holey cache (one query per row, its valid
+        columns and itself; the token as the one-node walk would choose it, sampling.sample_at at the same
+        position). The new column is valid in every row, so there is nothing to compact; the draft owes each row
+        its new token (pending)."""
+        dev, valid = self.device, self.tcache.valid
+        ids = torch.tensor([[r.root] for r in rows], device=dev)
+        pos = torch.tensor([[r.length] for r in rows], device=dev)
+        new = valid.new_ones(len(rows), 1)
+        allowed = torch.cat([valid, new], 1)[:, None]  # [B, 1, T + 1]
+        mask = _additive(allowed, self._t_dtype)
+        logits = forward_logits(self._target_fwd, ids, self.tcache.cache, pos, mask)[:, -1, : self.vocab_size]
+        tokens = _next_tokens(rows, logits)
+        self.tcache.append(new)
+        out = _emit_one_each(rows, tokens, time.perf_counter() - t0)
+        for r, flag in zip(rows, flags, strict=True):
+            r.pending.append(r.root)
+            if (
+                flag
+            ):  # asked to draft, but the emit budget left no room: an empty tree, as the batch-1 decoder
+                r.stats.record_step(1, 0, 0)
         self._keep([r for r in rows if not r.finished])
         return out

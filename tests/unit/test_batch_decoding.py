@@ -329,3 +329,51 @@ def test_batched_spec_tree_per_step_is_the_tree_alone(setup):
     while bs.rows:
         bs.step(draft=[(3, 1, 1) if r is row else False for r in bs.rows])
     assert row.generated == alone.tolist()
+
+
+def test_batched_spec_steps_without_a_draft_are_batched_ar(setup):
+    """A step in which no row drafts takes the autoregressive fast path on the holey cache: every row, sampled
+    ones included, draws the token BatchedDecoder draws with the same seed, before and after drafting steps left
+    holes (rejected nodes) in the cache; and the draft catches up with the tokens it did not see. The target's
+    attention is peaked so that a wrong position id or mask changes its tokens."""
+    from tests.unit.test_decoding_helpers import noisy_copy
+
+    _, _, prompts = setup
+    target = micro_llama(64, 2, VOCAB, seed=0, attention_gain=(8.0, 4.0))
+    dec = SpeculativeDecoder(target, target, rule="chain", tree=[1])
+    bs = BatchedSpeculativeDecoder.from_decoder(
+        SpeculativeDecoder(target, noisy_copy(target, 0.3, seed=1), rule="resispec", tree=[3, 1])
+    )
+    bd = BatchedDecoder.from_decoder(dec)
+    settings = [
+        dict(temperature=0.0),
+        dict(temperature=1.0, top_k=20, top_p=0.9),
+        dict(temperature=0.7),
+        dict(temperature=1.0),
+    ]
+    for dest in (bs, bd):
+        for i, s in enumerate(settings):
+            gen = torch.Generator().manual_seed(11 + i)
+            dest.add(prompts[i + 1], max_new_tokens=3 * NEW, eos_token_id=[], generator=gen, **s)
+    for _ in range(NEW):  # AR from the start: the two decoders agree token for token
+        got, want = bs.step(False), bd.step()
+        assert [t for _, t in got] == [t for _, t in want]
+    for _ in range(6):  # drafting steps leave holes in the spec batch's cache
+        bs.step(True)
+    assert bs.tcache.num_cols > max(int(n) for n in bs.tcache.valid.sum(1))
+    lone = BatchedDecoder.from_decoder(
+        dec
+    )  # each row's text so far, decoded on by batched AR from a fresh seed
+    for r in bs.rows:
+        r.generator = torch.Generator().manual_seed(5)
+        seed = torch.Generator().manual_seed(5)
+        lone.add(r.prompt + r.generated, max_new_tokens=NEW, eos_token_id=[], generator=seed, **r.settings)
+    for _ in range(NEW // 2):
+        got, want = bs.step(False), lone.step()
+        assert [t for _, t in got] == [t for _, t in want]
+    greedy = bs.rows[0]
+    assert greedy.greedy
+    while bs.rows:  # drafting again: the draft is fed the tokens it missed, and the greedy row stays exact
+        bs.step(True)
+    assert greedy.generated == _alone(dec, greedy.prompt, new=3 * NEW, temperature=0.0)
+    assert bs.tcache.num_cols == 0

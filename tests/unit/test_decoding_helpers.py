@@ -11,9 +11,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def micro_llama(
-    hidden: int, layers: int, vocab: int, seed: int, scale: float = 8.0, **config
+    hidden: int,
+    layers: int,
+    vocab: int,
+    seed: int,
+    scale: float = 8.0,
+    attention_gain: tuple[float, float] | None = None,
+    **config,
 ) -> LlamaForCausalLM:
     """A random Llama; embedding and lm_head are scaled (NOTES.md) so greedy outputs vary instead of repeating.
+    attention_gain (qk, vo): scale the query/key and value/output projections, so that attention is peaked and
+    its output counts. A random model's attention is nearly uniform: a position id off by one moves its next-token
+    distribution by ~1e-4 in total variation, ~0.15 with (8, 4), which tests of positions need.
     `config` overrides LlamaConfig fields (heads, special token ids, ...)."""
     torch.manual_seed(seed)
     fields = dict(
@@ -32,6 +41,12 @@ def micro_llama(
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(scale)
         model.lm_head.weight.mul_(scale)
+        for layer in model.model.layers if attention_gain else ():
+            attn = layer.self_attn
+            for proj, gain in ((attn.q_proj, attention_gain[0]), (attn.k_proj, attention_gain[0])):
+                proj.weight.mul_(gain)
+            for proj, gain in ((attn.v_proj, attention_gain[1]), (attn.o_proj, attention_gain[1])):
+                proj.weight.mul_(gain)
     return model
 
 
