@@ -636,6 +636,18 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert [sched._choose(16) for _ in range(2)] == [False, False]
         sched.step_counts[16] = [4 * EXPLORE_EVERY, 0]
         assert [sched._choose(16) for _ in range(2)] == [False, True]
+        sched._probing.clear()
+        # where the plan says AR, a model that agrees (0.9: not below AGAINST_PLAN_MARGIN) is a clear answer too
+        sched.predicted_ratio = lambda rows, greedy=False: 0.9
+        for count, probes in ((EXPLORE_EVERY, False), (4 * EXPLORE_EVERY, True)):
+            sched.step_counts[2] = [count, 0]
+            assert [sched._choose(2) for _ in range(2)] == [False, probes]
+            sched._probing.clear()
+        sched.predicted_ratio = lambda rows, greedy=False: (
+            0.9
+        )  # where the plan drafts, 0.9 is re-checked as usual
+        sched.step_counts[4] = [EXPLORE_EVERY, 0]
+        assert [sched._choose(4) for _ in range(2)] == [True, False]
     finally:
         sched.close()
 
