@@ -13,8 +13,7 @@ scheduler keeps an online cost model of each mode (`StepCostModel`; per drafted 
 more, per class: every row greedy or not): the seconds of its recent pure steps, each
 timed over its whole scheduler cycle (`_cycle`: a newcomer's admission merges its row into caches that drafting
 leaves wider), as a line in the number of rows weighted towards the row count asked about, and the tokens each row
-emits per step. R is the load: the running rows and the requests waiting for a slot (at most max_batch_size), since
-newcomers join one per step boundary and a drafting step would hold them back. It drafts at R rows when the model predicts fewer seconds per emitted token for drafting than for AR
+emits per step. It drafts at R rows when the model predicts fewer seconds per emitted token for drafting than for AR
 steps at R rows; coming from AR, only below SWITCH_MARGIN (the drafting step after AR steps feeds the draft every
 token it skipped, so flipping back and forth costs), or below AGAINST_PLAN_MARGIN where the planner found that
 speculation does not pay at that batch size (the online model is noisy; the plan is a second opinion), and there it
@@ -185,9 +184,7 @@ class Scheduler:
         # "ar", or (the drafted tree as a tuple, all rows greedy) -> that mode's cost model (greedy and sampled
         # rows accept differently: the tokens a step emits are part of the model)
         self.models: dict[Any, StepCostModel] = {}
-        self.step_counts: dict[
-            int, list[int]
-        ] = {}  # load bucket -> [steps, steps in which every row drafted]
+        self.step_counts: dict[int, list[int]] = {}  # batch size -> [steps, steps in which every row drafted]
         # batch size -> the mode the policy last preferred (True: draft)
         self._preferred: dict[int, bool] = {}
         self._probing: dict[int, int] = {}  # batch size -> steps of the other mode still to take
@@ -384,15 +381,10 @@ class Scheduler:
         if not self.spec_batch:
             return self.batched.step()
         rows_before = len(self.batched.rows)
-        # the policy decides at the load: the running rows and the requests waiting for a slot. Newcomers join one
-        # per step boundary, so a drafting step (~2x an AR step) at the running batch size would hold them back:
-        # in a wave of 16 the ramp drafted 50-80% of its 2-8 row steps and the adaptive server's TTFT p50 was
-        # 9% above batched AR's (tiny world, T = 1, in-process, 6 rounds)
-        load = min(self.max_batch_size, rows_before + len(self.waiting))
-        size = _bucket(load)
+        size = _bucket(rows_before)
         # a batch of greedy rows drafts the greedy plan; one sampled row makes every row draft the sampled plan
         greedy = self._greedy_batch = all(r.greedy for r in self.batched.rows)
-        mode = self._choose(load, greedy)
+        mode = self._choose(rows_before, greedy)
         drafting = self.tree_at(size, greedy) if mode else False  # the tree rows draft this step (False: AR)
         out = self.batched.step(drafting)
         tokens = sum(len(chunk) for _, chunk in out)

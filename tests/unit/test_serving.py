@@ -691,42 +691,6 @@ def test_greedy_batches_draft_the_greedy_plan():
         sched.close()
 
 
-def test_adaptive_policy_decides_at_the_load_running_and_waiting():
-    """Requests waiting for a slot join one per step boundary, so the policy decides at the batch size they will
-    make (running + waiting, at most max_batch_size): one running row with three waiting steps as 4 rows would."""
-    from types import SimpleNamespace
-
-    from resispec.serving.scheduler import Scheduler
-
-    class Batch:
-        draft, shape = object(), [1, 1, 1]
-
-        def __init__(self):
-            self.rows, self.flags = [SimpleNamespace(greedy=False)], []
-
-        def step(self, flags):
-            self.flags.append(flags)
-            return [(r, [7]) for r in self.rows]
-
-    batched = Batch()
-    engine = SimpleNamespace(batched=batched, trees_by_batch={1: [1, 1, 1], 2: [1], 4: None, 8: None})
-    sched = Scheduler(engine, max_batch_size=4, speculation="auto")
-    try:
-        sched.step_counts = {b: [1, 0] for b in (1, 2, 4)}  # no probe starts at the next steps
-        sched._batch_step()
-        assert batched.flags[-1] == (1, 1, 1)  # alone: the one-row plan
-        sched.waiting.extend([object()] * 9)  # the load is max_batch_size (4): the plan there is AR
-        sched._batch_step()
-        assert batched.flags[-1] is False and sched.step_counts[4] == [2, 0]
-        while len(sched.waiting) > 1:
-            sched.waiting.pop()
-        sched._batch_step()  # 1 running + 1 waiting: the 2-row plan
-        assert batched.flags[-1] == (1,)
-    finally:
-        sched.waiting.clear()
-        sched.close()
-
-
 def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
     """A pure step is measured over its whole cycle (admission, step, hand-off). A drafting step after a step with
     AR rows feeds the draft what they skipped: not measured; nor is a cycle that admitted a whole wave. A
