@@ -20,7 +20,7 @@ LENGTHS = (1, 5, 12, 3, 20)
 
 @pytest.fixture(scope="module")
 def setup():
-    target = micro_llama(64, 2, VOCAB, seed=0)
+    target = micro_llama(64, 2, VOCAB, seed=0, attention_gain=(8.0, 4.0))  # positions and masks count
     dec = SpeculativeDecoder(target, target, rule="chain", tree=[1])
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
@@ -40,7 +40,14 @@ def test_greedy_rows_equal_alone_and_hf_generate(setup):
     for prompt, got in zip(prompts, out, strict=True):
         assert got == _alone(dec, prompt, temperature=0.0)
         hf = target.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(
+                1, len(prompt), dtype=torch.long
+            ),  # token 0 is a token here, not padding
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
         assert got == hf[0, len(prompt) :].tolist()
     assert len({tuple(o) for o in out}) > 1  # varied outputs: a meaningful identity test
@@ -131,7 +138,14 @@ def test_batched_spec_greedy_rows_equal_alone_and_hf(setup, tree):
     for prompt, got in zip(prompts, out, strict=True):
         assert got == _alone(ar, prompt, temperature=0.0)
         hf = target.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(
+                1, len(prompt), dtype=torch.long
+            ),  # token 0 is a token here, not padding
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
         assert got == hf[0, len(prompt) :].tolist()
     assert bs.tcache.num_cols == 0 and bs.dcache.num_cols == 0  # everything released

@@ -19,7 +19,7 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def pair():
     """Target, a close draft (noisy copy: long accepted runs) and a far draft (other seed and dims: rejections)."""
-    target = micro_llama(64, 2, VOCAB, seed=0)
+    target = micro_llama(64, 2, VOCAB, seed=0, attention_gain=(8.0, 4.0))
     return target, noisy_copy(target, 0.5, seed=1), micro_llama(32, 1, VOCAB, seed=2)
 
 

@@ -24,7 +24,7 @@ SETTINGS = dict(temperature=1.0, top_k=0, top_p=0.95)
 
 @pytest.fixture(scope="module")
 def pair():
-    target = micro_llama(64, 2, VOCAB, seed=0, scale=8.0)
+    target = micro_llama(64, 2, VOCAB, seed=0, scale=8.0, attention_gain=(8.0, 4.0))
     draft = noisy_copy(target, 0.5, seed=1)  # close enough to accept often, far enough to reject often
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 5, 12, 3)]
