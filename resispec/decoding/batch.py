@@ -450,8 +450,8 @@ class BatchedSpeculativeDecoder:
 
         draft: one entry for all rows or one per row: True drafts the decoder's tree, False takes a plain
         autoregressive step (a one-token verify), a tree (per-depth branching, e.g. (2, 1)) drafts that tree this
-        step. When no row drafts there is no draft forward at all and the tokens the draft has not seen pile up in
-        each row's `pending`, fed with the next drafting step. So the caller can switch speculation off and on, or
+        step. When no row drafts, the step is BatchedDecoder's (`_ar_step`: no draft forward, trees or walks) and
+        the tokens the draft has not seen pile up in each row's `pending`, fed with the next drafting step. So the caller can switch speculation off and on, or
         change the tree, between steps (by load) without leaving exactness: every step is an exact step of its
         own tree."""
         from resispec.decoding.engine import GREEDY_TOPK

@@ -32,7 +32,8 @@ SAMPLING_RULES = sorted(name for name, rule in VERIFIERS.items() if not rule.gre
 
 @pytest.fixture(scope="module")
 def world():
-    target = micro_llama(32, 1, VOCAB, seed=0, scale=24.0)  # peaked enough that ~15 cells carry most mass
+    # peaked enough that ~15 cells carry most mass; attention that counts, so that positions and masks do too
+    target = micro_llama(32, 1, VOCAB, seed=0, scale=24.0, attention_gain=(8.0, 4.0))
     draft = noisy_copy(target, 0.6, seed=1)
     return target, draft, exact_joint(target), exact_joint(draft)
 

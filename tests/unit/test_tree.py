@@ -51,7 +51,7 @@ def test_parse_tree_rejects_bad_shapes():
 
 def test_tree_mask_logits_equal_sequential_and_compaction_equals_reencoding():
     torch.manual_seed(0)
-    model = micro_llama(64, 2, 64, seed=0)
+    model = micro_llama(64, 2, 64, seed=0, attention_gain=(8.0, 4.0))
     ids = torch.randint(0, 64, (1, 12))
     with torch.no_grad():
         full = model(ids).logits[0]  # [12, V] plain causal reference
