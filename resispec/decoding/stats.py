@@ -3,6 +3,7 @@ counters (num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_positi
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -15,6 +16,7 @@ class DecodeStats:
     num_drafts: int = 0  # speculative steps = verify forwards (one tree each)
     num_draft_tokens: int = 0  # tree nodes proposed, summed over steps (repeated draws merged)
     num_accepted_tokens: int = 0  # accepted draft tokens (the bonus/correction token is not counted)
+    accepted_sq: int = 0  # sum over steps of (accepted draft tokens)^2: tau's standard error
     accepted_per_position: list[int] = field(default_factory=list)  # [D] accepted at depth d+1
     reached_per_position: list[int] = field(default_factory=list)  # [D] steps whose walk reached depth d+1
     num_new_tokens: int = 0  # tokens emitted (after stop truncation)
@@ -32,6 +34,7 @@ class DecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_nodes - 1
         self.num_accepted_tokens += num_accepted
+        self.accepted_sq += num_accepted * num_accepted
         for per_position in (self.reached_per_position, self.accepted_per_position):
             per_position.extend([0] * (depth - len(per_position)))  # a deeper tree than the earlier steps'
         for j in range(min(num_accepted + 1, depth)):
@@ -44,6 +47,17 @@ class DecodeStats:
         if self.num_drafts == 0:
             return 1.0
         return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts
+
+    @property
+    def tau_stderr(self) -> float | None:
+        """Standard error of tau over its steps (steps taken as independent); None below two steps or without
+        the per-step squares (vLLM's counters)."""
+        n = self.num_drafts
+        if n < 2 or (self.accepted_sq == 0 and self.num_accepted_tokens > 0):
+            return None
+        mean = self.num_accepted_tokens / n
+        var = max(self.accepted_sq / n - mean * mean, 0.0) * n / (n - 1)
+        return math.sqrt(var / n)
 
     @property
     def per_depth_acceptance(self) -> list[float]:
@@ -68,6 +82,7 @@ class DecodeStats:
         out = asdict(self)
         out.update(
             tau=self.tau,
+            tau_stderr=self.tau_stderr,
             per_depth_acceptance=self.per_depth_acceptance,
             tokens_per_second=self.tokens_per_second,
             c=self.c,

@@ -48,6 +48,7 @@ class BenchRow:
     seconds: float = 0.0  # wall-clock, all prompts
     tokens_per_second: float = 0.0
     tau: float | None = None  # tokens per target verify forward (bonus included); AR = 1
+    tau_stderr: float | None = None  # its standard error over the row's steps
     per_depth_acceptance: list[float] | None = None
     c: float | None = None  # draft forward time / target forward time
     speedup: float | None = None  # tokens/s over the AR row of the same temperature
@@ -304,6 +305,7 @@ def bench_pair(
                 total_stats = _sum_stats(m.stats)
                 r.stats = {**r.stats, **total_stats.as_dict()}  # keeps the plan of a tree=auto row
                 r.tau = total_stats.tau
+                r.tau_stderr = total_stats.tau_stderr
                 if r.method == "spec":
                     r.per_depth_acceptance = total_stats.per_depth_acceptance
                     r.c = total_stats.c
@@ -373,7 +375,19 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 
 def table_rows(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
-    header = ["T", "method", "draft", "rule", "tree", "tok/s", "tau", "per-depth acceptance", "c", "speedup"]
+    header = [
+        "T",
+        "method",
+        "draft",
+        "rule",
+        "tree",
+        "tok/s",
+        "tau",
+        "±",
+        "per-depth acceptance",
+        "c",
+        "speedup",
+    ]
     body = []
     for r in rows:
         depth = "-" if not r.per_depth_acceptance else " ".join(f"{a:.2f}" for a in r.per_depth_acceptance)
@@ -386,6 +400,7 @@ def table_rows(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
                 r.tree,
                 _fmt(r.tokens_per_second, 1),
                 _fmt(r.tau),
+                _fmt(r.tau_stderr),
                 depth,
                 _fmt(r.c, 3),
                 _fmt(r.speedup),
@@ -473,7 +488,9 @@ def write_report(rows: list[BenchRow], output_dir: str | Path, meta: dict[str, A
     lines += [
         "",
         "tok/s: generated tokens / wall-clock seconds over all prompts. tau: tokens per target verify "
-        "forward (bonus included). per-depth acceptance: P(accept at depth d | reached d). c: draft forward "
+        "forward (bonus included). ±: tau's standard error over the row's steps (each row is one seeded draw: "
+        "rows whose tau differ by a few ± are not told apart). "
+        "per-depth acceptance: P(accept at depth d | reached d). c: draft forward "
         "time / target forward time. speedup: tok/s / AR tok/s at the same temperature, same run.",
         "",
         markdown_table(rows),

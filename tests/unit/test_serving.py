@@ -387,6 +387,23 @@ def test_sum_stats_adds_counters():
     s = _sum_stats([a, b])
     assert s.num_drafts == 3 and s.accepted_per_position == [2, 1] and s.reached_per_position == [3, 1]
     assert s.tau == pytest.approx((3 + 3) / 3)
+    assert s.tau_stderr is None  # counters without the per-step squares (vLLM's)
+
+
+def test_tau_standard_error_over_steps_and_prompts():
+    """tau's standard error: the sample standard deviation of the accepted tokens per step over sqrt(steps),
+    summed over prompts like every counter (the bench prints it beside tau)."""
+    from resispec.decoding import DecodeStats
+    from resispec.serving.bench import _sum_stats
+
+    a, b = DecodeStats(), DecodeStats()
+    for acc in (0, 2):
+        a.record_step(5, acc, 4)
+    b.record_step(5, 4, 4)
+    s = _sum_stats([a, b])
+    assert s.accepted_sq == 0 + 4 + 16 and s.tau == pytest.approx(3.0)
+    assert s.tau_stderr == pytest.approx((4.0 / 3) ** 0.5)  # accepted 0, 2, 4: sample variance 4, 3 steps
+    assert DecodeStats().tau_stderr is None and a.as_dict()["tau_stderr"] == pytest.approx(1.0)
 
 
 def test_load_test_is_localhost_only_and_percentiles():
