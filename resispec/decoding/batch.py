@@ -451,9 +451,9 @@ class BatchedSpeculativeDecoder:
         draft: one entry for all rows or one per row: True drafts the decoder's tree, False takes a plain
         autoregressive step (a one-token verify), a tree (per-depth branching, e.g. (2, 1)) drafts that tree this
         step. When no row drafts, the step is BatchedDecoder's (`_ar_step`: no draft forward, trees or walks) and
-        the tokens the draft has not seen pile up in each row's `pending`, fed with the next drafting step. So the caller can switch speculation off and on, or
-        change the tree, between steps (by load) without leaving exactness: every step is an exact step of its
-        own tree."""
+        the tokens the draft has not seen pile up in each row's `pending`, fed with the next drafting step. So the
+        caller can switch speculation off and on, or change the tree, between steps (by load) without leaving
+        exactness: every step is an exact step of its own tree."""
         from resispec.decoding.engine import GREEDY_TOPK
         from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
 
@@ -644,9 +644,8 @@ class BatchedSpeculativeDecoder:
         out = _emit_one_each(rows, tokens, time.perf_counter() - t0)
         for r, flag in zip(rows, flags, strict=True):
             r.pending.append(r.root)
-            if (
-                flag
-            ):  # asked to draft, but the emit budget left no room: an empty tree, as the batch-1 decoder
+            # asked to draft, but the emit budget left no room: an empty tree, as the batch-1 decoder records
+            if flag:
                 r.stats.record_step(1, 0, 0)
         self._keep([r for r in rows if not r.finished])
         return out
