@@ -357,6 +357,7 @@ def test_write_report_writes_three_files(tmp_path: Path):
             tree="[2,1]",
             tokens_per_second=15.0,
             tau=2.0,
+            tau_stderr=0.125,
             per_depth_acceptance=[0.8, 0.5],
             c=0.1,
             speedup=1.5,
@@ -368,7 +369,8 @@ def test_write_report_writes_three_files(tmp_path: Path):
     paths = write_report(rows, tmp_path, {"target": "t"})
     assert {p.name for p in tmp_path.iterdir()} >= {"report.md", "report.json", "speedup.png"}
     md = paths["md"].read_text()
-    assert "| 0 | spec | d | rrs | [2,1] | 15.0 | 2.00 | 0.80 0.50 | 0.100 | 1.50 |" in md
+    assert "| 0 | spec | d | rrs | [2,1] | 15.0 | 2.00 | 0.12 | 0.80 0.50 | 0.100 | 1.50 |" in md
+    assert "| 0 | ar | - | - | - | 10.0 | 1.00 | - |" in md  # no steps, no standard error
     data = json.loads(paths["json"].read_text())
     assert [r["label"] for r in data["rows"]] == ["AR", "rrs [2,1] (d)", "HF assisted chain 2 (d)"]
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
