@@ -32,6 +32,21 @@ def _alone(dec, prompt, new=NEW, **settings):
     return out.sequences[0, len(prompt) :].tolist()
 
 
+def _hf_greedy(target, prompt, new=NEW):
+    """HF generate(do_sample=False): the reference for greedy rows. The mask is all ones: token 0 is a prompt token
+    here, and HF would otherwise take it for padding (pad_token_id=0) and mask it."""
+    ids = torch.tensor([prompt])
+    out = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def test_greedy_rows_equal_alone_and_hf_generate(setup):
     target, dec, prompts = setup
     out = BatchedDecoder.from_decoder(dec).generate(
@@ -39,17 +54,7 @@ def test_greedy_rows_equal_alone_and_hf_generate(setup):
     )
     for prompt, got in zip(prompts, out, strict=True):
         assert got == _alone(dec, prompt, temperature=0.0)
-        hf = target.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(
-                1, len(prompt), dtype=torch.long
-            ),  # token 0 is a token here, not padding
-            max_new_tokens=NEW,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        assert got == hf[0, len(prompt) :].tolist()
+        assert got == _hf_greedy(target, prompt)
     assert len({tuple(o) for o in out}) > 1  # varied outputs: a meaningful identity test
 
 
@@ -137,17 +142,7 @@ def test_batched_spec_greedy_rows_equal_alone_and_hf(setup, tree):
     out = bs.generate(prompts, dict(max_new_tokens=NEW, temperature=0.0, eos_token_id=[]))
     for prompt, got in zip(prompts, out, strict=True):
         assert got == _alone(ar, prompt, temperature=0.0)
-        hf = target.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(
-                1, len(prompt), dtype=torch.long
-            ),  # token 0 is a token here, not padding
-            max_new_tokens=NEW,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        assert got == hf[0, len(prompt) :].tolist()
+        assert got == _hf_greedy(target, prompt)
     assert bs.tcache.num_cols == 0 and bs.dcache.num_cols == 0  # everything released
 
 
