@@ -24,9 +24,9 @@ steps the planner's plan decides (drafting unless it planned none at that batch 
 mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready and every EXPLORE_EVERY-th
 step after (4x less often while the ratio is beyond CLEAR_MARGIN, or while the model and the plan agree that
 speculation does not pay: at 16 rows on the tiny world the probes were most of the 7-8% of steps that drafted).
-A drafting step right after steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per batch-size bucket the measured medians per mode,
-the model's ratio at the bucket's size and the share of steps that drafted; an INFO line every LOG_EVERY steps says
-the same. Under decode.tree=auto the plan has two halves: a batch of greedy rows drafts the tree planned at
+A drafting step right after steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per
+batch-size bucket the measured medians per mode, the model's ratio at the bucket's size and the share of steps that
+drafted; an INFO line every LOG_EVERY steps says the same. Under decode.tree=auto the plan has two halves: a batch of greedy rows drafts the tree planned at
 temperature 0 (`greedy_trees_by_batch`), any other batch the tree planned at the sampled temperature. A seeded
 request's tokens never depend on its neighbours, the load or the mode: its row samples with a SeedStream (noise keyed
 by token position, verified with the `gumbel` rule), which emits the same token at every position whether the row

@@ -662,9 +662,8 @@ def test_adaptive_policy_decides_by_the_cost_model():
             sched.step_counts[2] = [count, 0]
             assert [sched._choose(2) for _ in range(2)] == [False, probes]
             sched._probing.clear()
-        sched.predicted_ratio = lambda rows, greedy=False: (
-            0.9
-        )  # where the plan drafts, 0.9 is re-checked as usual
+        # where the plan drafts, 0.9 is re-checked as usual
+        sched.predicted_ratio = lambda rows, greedy=False: 0.9
         sched.step_counts[4] = [EXPLORE_EVERY, 0]
         assert [sched._choose(4) for _ in range(2)] == [True, False]
     finally:
