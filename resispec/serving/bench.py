@@ -332,8 +332,9 @@ def step_breakdown(
     """Per-step milliseconds of a speculative row, all measured inside the steps of this run: the draft forwards,
     the rest of the draft phase (drafting: sampling the candidates, tree masks), the target forward (the verify
     phase), the accept walk, and the rest (cache compaction, bookkeeping). Host overhead = everything that is not
-    a model forward, also as a fraction of one AR token's time measured in the same run (the issue's yardstick:
-    a shared machine's speed drifts by tens of percent within minutes, so the yardstick is measured alongside).
+    a model forward, as a fraction of one AR token's time measured in the same run (a shared machine's speed
+    drifts by tens of percent within minutes, so the yardstick is measured alongside) and of the row's own target
+    forward (the decoder-speed issue's "one target forward").
     With `cost`, also the cost model's prediction of the two models' forward time for `tree`."""
     steps = max(stats.num_drafts, 1)
     step, draft, draft_fwd, target, accept = (
@@ -358,6 +359,7 @@ def step_breakdown(
         "overhead_ms": overhead,
         "ar_token_ms": ar_token_ms,
         "overhead_frac_of_ar_token": overhead / ar_token_ms,
+        "overhead_frac_of_target": overhead / target if target > 0 else None,
     }
     if cost is not None and "[" in tree:
         shape = [
@@ -372,6 +374,10 @@ def step_breakdown(
 
 def _fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def table_rows(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
@@ -529,12 +535,12 @@ def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
             "Per-step breakdown (ms per speculative step, measured inside the steps of this run): draft forwards, "
             "drafting (candidate sampling, tree masks), target forward, accept walk, other (cache compaction, "
             "bookkeeping); host overhead = step minus the two models' forwards, and as a fraction of one AR token's "
-            "time in the same run. predicted fwd: the cost model's forward time for that tree (measured at start-up, "
+            "time in the same run and of the row's own target forward. predicted fwd: the cost model's forward time for that tree (measured at start-up, "
             "so on a drifting shared machine it can be off by tens of percent).",
             "",
             "| T | row | nodes | step | draft fwd | drafting | target fwd | accept | other | host overhead "
-            "| overhead / AR token | predicted fwd |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| overhead / AR token | overhead / target fwd | predicted fwd |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in spec:
             b = r.stats["breakdown"]
@@ -543,7 +549,7 @@ def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
                 f"| {r.temperature:g} | {r.label} | {b['mean_nodes']:.1f} | {b['step_ms']:.2f} "
                 f"| {b['draft_forward_ms']:.2f} | {b['drafting_ms']:.2f} | {b['target_ms']:.2f} "
                 f"| {b['accept_ms']:.2f} | {b['other_ms']:.2f} | {b['overhead_ms']:.2f} "
-                f"| {b['overhead_frac_of_ar_token']:.0%} | {_fmt(pred)} |"
+                f"| {b['overhead_frac_of_ar_token']:.0%} | {_pct(b.get('overhead_frac_of_target'))} | {_fmt(pred)} |"
             )
         lines.append("")
     planned = [r for r in rows if r.stats.get("plan")]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from resispec.verify.base import (
@@ -38,7 +39,7 @@ from resispec.verify.base import (
     sample_weights,
     uniform,
 )
-from resispec.verify.ratio import DirectMass, HistogramProfile, RatioProfile
+from resispec.verify.ratio import DirectMass, HistogramProfile, HostRatioProfile, RatioProfile, build_profile
 
 
 def bisection_steps(dtype: torch.dtype) -> int:
@@ -76,18 +77,48 @@ def greedy_masses(p: Tensor, q: Tensor, n: int) -> Tensor:
 # ---------------------------------------------------------------------------------------------- solvers
 
 
-def _resispec_g(profile: RatioProfile, total: Tensor, t: Tensor, n: int) -> Tensor:
+# The solvers and the shaped plan run on a profile's own arrays: torch tensors (RatioProfile, HistogramProfile,
+# DirectMass) or, for the decoder's one-node calls on CPU, numpy (HostRatioProfile): the same code, written with
+# the operators and methods both share, and `_xp` for the few functions that differ by module.
+Profile = RatioProfile | HostRatioProfile | HistogramProfile
+
+
+def _xp(x):
+    """The array module of x: numpy or torch (where, minimum, stack)."""
+    return np if isinstance(x, np.ndarray) else torch
+
+
+def _in_profile(t: Tensor, profile) -> Tensor | np.ndarray:
+    """A torch [B] value in the profile's array type and accumulator dtype."""
+    if isinstance(profile.total, np.ndarray):
+        return t.detach().to("cpu", torch.float64).numpy()
+    return t.to(profile.total.dtype)
+
+
+def _to_torch(x, like: Tensor) -> Tensor:
+    """A profile-side array back as a torch tensor in like's dtype."""
+    return (torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x).to(like.dtype)
+
+
+def _window_mass(profile: Profile, lo, hi):
+    """F(hi) - F(lo) for lo, hi [B, K]: one profile lookup with the pair side by side on torch, two on numpy."""
+    if isinstance(lo, np.ndarray):
+        return profile.capped_mass(hi) - profile.capped_mass(lo)
+    num = lo.shape[-1]
+    f = profile.capped_mass(torch.cat([hi, lo], -1))  # [B, 2K]
+    return f[:, :num] - f[:, num:]
+
+
+def _resispec_g(profile: Profile, total, t, n: int):
     """DESIGN.md's g(T) = T - sum_i mu_i for the late-filling plan, batched: t [B] or [B, K] -> same shape."""
-    squeeze = t.dim() == 1
+    squeeze = t.ndim == 1
     t = t[:, None] if squeeze else t  # [B, K]
-    mu, s = total[:, None].expand_as(t).clone(), t.clone()
-    num = t.shape[-1]
+    mu, s = t * 0 + total[:, None], t
     for _ in range(n):
         s_next = s - mu
-        lo = s_next.clamp_min(0)  # planned sum of the caps still to come
-        hi = torch.minimum(t, lo + mu)
-        f = profile.capped_mass(torch.cat([hi, lo], -1))  # [B, 2K]
-        mu = mu - torch.where(lo < t, f[:, :num] - f[:, num:], torch.zeros_like(mu))
+        lo = s_next.clip(0)  # planned sum of the caps still to come
+        hi = (lo + mu).clip(max=t)
+        mu = mu - _xp(t).where(lo < t, _window_mass(profile, lo, hi), 0.0)
         s = s_next
     return s[:, 0] if squeeze else s
 
@@ -105,54 +136,55 @@ def _grid_points(batch: int) -> int:
 
 @torch.no_grad()
 def solve_resispec_T(
-    p: Tensor, q: Tensor, n: int, profile: RatioProfile | None = None, steps: int | None = None
+    p: Tensor, q: Tensor, n: int, profile: Profile | None = None, steps: int | None = None
 ) -> Tensor:
     """T* in [1, n] with g(T*) = 0 (the smallest root), by a grid search on the ratio profile: each round
     evaluates g at 2^k - 1 points of the bracket in one pass (O(n log V) per point; k = 7 for small batches) and
     keeps the cell where g changes sign, i.e. k bisection steps at once. `steps` counts bisection-equivalent halvings. p, q [B, V] -> [B].
-    Returns the upper end of the final bracket (g >= 0). float64 on CPU, else q's dtype."""
+    Returns the upper end of the final bracket (g >= 0), in p's dtype. Any profile of iid.py's `Profile`; the
+    default is `build_profile(p, q)` (numpy for one row on CPU)."""
     check_pair(p, q)
     check_draws(n)
-    profile = profile or RatioProfile.build(p, q)
+    profile = profile or build_profile(p, q)
     total = profile.total  # sum p (1 up to rounding)
-    lo = torch.ones_like(total)
-    hi = torch.full_like(total, float(n))
+    lo, hi = total * 0 + 1, total * 0 + n
     num_steps = (bisection_steps(p.dtype) if steps is None else steps) if n > 1 else 0
     points = _grid_points(total.shape[0])
     per_round = (points + 1).bit_length() - 1  # halvings per round
-    frac = torch.arange(1, points + 1, dtype=total.dtype, device=total.device) / (points + 1)
+    ticks = torch.arange(1, points + 1, dtype=torch.float64)  # [K]
+    ticks = ticks.numpy() if isinstance(total, np.ndarray) else ticks.to(total)
     for _ in range(-(-num_steps // per_round)):  # ceil
-        grid = lo[:, None] + (hi - lo)[:, None] * frac  # [B, K] increasing
+        step = (hi - lo) / (points + 1)
+        grid = lo[:, None] + step[:, None] * ticks  # [B, K] increasing; grid point j is lo + step * (j + 1)
         # g is nondecreasing in T: the first num_neg grid points have g < 0, the rest g >= 0
-        num_neg = (_resispec_g(profile, total, grid, n) < 0).sum(-1, keepdim=True)  # [B, 1]
-        padded = torch.cat([lo[:, None], grid, hi[:, None]], -1)  # [B, K + 2]
-        lo, hi = padded.gather(-1, num_neg)[:, 0], padded.gather(-1, num_neg + 1)[:, 0]
-    return hi.to(p.dtype)
+        num_neg = (_resispec_g(profile, total, grid, n) < 0).sum(-1)  # [B]
+        lo, hi = lo + step * num_neg, lo + step * (num_neg + 1)
+    return _to_torch(hi, p)
 
 
-def _kseq_h(profile: RatioProfile, total: Tensor, rho: Tensor, n: int) -> Tensor:
+def _kseq_h(profile: Profile, total, rho, n: int):
     """SpecTr's condition: h(rho) = (1 - (1 - beta)^n) - F(rho) with beta = F(rho) / rho; zero at rho*."""
     f = profile.capped_mass(rho)
-    beta = (f / rho).clamp(0, 1)
+    beta = (f / rho).clip(0, 1)
     return total * (1 - (1 - beta) ** n) - f
 
 
 @torch.no_grad()
 def solve_kseq_rho(
-    p: Tensor, q: Tensor, n: int, profile: RatioProfile | None = None, steps: int | None = None
+    p: Tensor, q: Tensor, n: int, profile: Profile | None = None, steps: int | None = None
 ) -> Tensor:
     """rho* in [1, n] of SpecTr K-SEQ (h(1) >= 0 >= h(n)), by bisection on the ratio profile. p, q [B, V] -> [B]."""
     check_pair(p, q)
     check_draws(n)
-    profile = profile or RatioProfile.build(p, q)
+    profile = profile or build_profile(p, q)
     total = profile.total
-    lo = torch.ones_like(total)
-    hi = torch.full_like(total, float(n))
+    lo, hi = total * 0 + 1, total * 0 + n
+    where = _xp(total).where
     for _ in range((bisection_steps(p.dtype) if steps is None else steps) if n > 1 else 0):
         mid = 0.5 * (lo + hi)
         pos = _kseq_h(profile, total, mid, n) > 0
-        lo, hi = torch.where(pos, mid, lo), torch.where(pos, hi, mid)
-    return hi.to(p.dtype)
+        lo, hi = where(pos, mid, lo), where(pos, hi, mid)
+    return _to_torch(hi, p)
 
 
 # ---------------------------------------------------------------------------------------------- plans
@@ -212,22 +244,25 @@ def greedy_plan(p: Tensor, q: Tensor, n: int) -> WindowPlan:
     )
 
 
-def shaped_plan(p: Tensor, q: Tensor, n: int, t: Tensor, profile: RatioProfile) -> WindowPlan:
-    """resispec: late-filling windows stacked down from T, with the ACTUAL mu_i (from the profile)."""
-    t = t.to(profile.total.dtype)
+def shaped_plan(p: Tensor, q: Tensor, n: int, t: Tensor, profile) -> WindowPlan:
+    """resispec: late-filling windows stacked down from T, with the ACTUAL mu_i (from the profile: any of
+    `Profile` or DirectMass)."""
+    t = _in_profile(t, profile)
     total = profile.total
     f_top = profile.capped_mass(t)
     mus, los, his = [total], [], []
     s = t
     for _ in range(n - 1):
-        s_next = (s - mus[-1]).clamp_min(0)
+        s_next = (s - mus[-1]).clip(0)
         los.append(s_next)
         his.append(s)
         mus.append(total - (f_top - profile.capped_mass(s_next)))
         s = s_next
-    dt = p.dtype
-    stack = lambda xs: torch.stack(xs, -1).to(dt) if xs else torch.zeros_like(p[:, :0])  # noqa: E731
-    return WindowPlan(mu=stack(mus), lo=stack(los), hi=stack(his), bottom=s.to(dt), top=t.to(dt))
+    xp = _xp(total)
+    stack = lambda xs: _to_torch(xp.stack(xs, -1), p) if xs else torch.zeros_like(p[:, :0])  # noqa: E731
+    return WindowPlan(
+        mu=stack(mus), lo=stack(los), hi=stack(his), bottom=_to_torch(s, p), top=_to_torch(t, p)
+    )
 
 
 def scaled_plan(p: Tensor, q: Tensor, n: int, rho: Tensor) -> ScaledPlan:
@@ -387,7 +422,7 @@ class ResiSpecRule(_IidRule):
             t = solve_resispec_T(p, q, n, HistogramProfile.build(p, q, float(n)), steps=self.verify_halvings)
             plan = shaped_plan(p, q, n, t, DirectMass.build(p, q))
         else:
-            profile = RatioProfile.build(p, q)
+            profile = build_profile(p, q)  # numpy for one node on CPU (the decoder's calls)
             t = solve_resispec_T(p, q, n, profile, steps=self.verify_halvings)
             plan = shaped_plan(p, q, n, t, profile)
         return verify_sequential(p, proposal, plan, generator)

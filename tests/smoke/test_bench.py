@@ -57,10 +57,14 @@ def test_bench_script_writes_report(micro_world, tmp_path):
                 assert r["tree"] == "auto[" + ",".join(map(str, plan["tree"])) + "]" and plan["tau"] >= 1.0
             elif r["method"] == "spec":
                 assert r["tau"] >= 1.0 and len(r["per_depth_acceptance"]) == 2 and r["c"] > 0
+                b = r["stats"]["breakdown"]  # host overhead against one AR token and the row's target forward
+                assert abs(b["overhead_frac_of_target"] - b["overhead_ms"] / b["target_ms"]) < 1e-9
+                assert abs(b["overhead_frac_of_ar_token"] - b["overhead_ms"] / b["ar_token_ms"]) < 1e-9
                 if t == 0.0:  # greedy: every method emits the same tokens as AR
                     assert r["num_tokens"] == at[0]["num_tokens"]
     report = (out / "report.md").read_text()
     assert "| T | method |" in report and "Per-step breakdown" in report and "tree=auto" in report
+    assert "| overhead / AR token | overhead / target fwd |" in report
     assert set(rows[0]["stats"]["cost_model"]) == {"draft", "second"}  # target and draft ms vs tokens
     assert "tok/s" in proc.stdout and "speedup" in proc.stdout  # the rich table was printed
     assert list(tmp_path.glob("wandb/offline-run-*")), "no offline W&B run was written"

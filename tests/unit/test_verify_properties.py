@@ -188,6 +188,46 @@ def test_resispec_verify_solve_precision():
         assert ((coarse - exact) <= (n - 1) * 2.0**-ResiSpecRule.verify_halvings).all()
 
 
+@pytest.mark.parametrize("dtype,vocab", [(torch.float64, 300), (torch.float32, 300), (torch.float32, 8192)])
+def test_host_profile_matches_the_torch_profile(dtype, vocab):
+    """One row on CPU (the decoder's verify calls) runs the solvers and the shaped plan on numpy
+    (HostRatioProfile): F, T*, rho* and the plan's masses equal the torch profile's, and so do the verified
+    tokens, draw for draw. Rows with q = 0 and p = 0 entries; float32 at large V takes the packed-key sort."""
+    from resispec.verify.iid import ResiSpecRule, shaped_plan, verify_sequential
+    from resispec.verify.ratio import HostRatioProfile, build_profile
+
+    p_all, q_all = random_pairs(6, vocab, seed=15, dtype=dtype)
+    t = torch.tensor([[0.0, 0.5, 1.0, 1.7, 3.0, 9.0]], dtype=torch.float64)
+    for row in range(p_all.shape[0]):
+        p, q = p_all[row : row + 1], q_all[row : row + 1]
+        host, ref = build_profile(p, q), RatioProfile.build(p, q)
+        assert isinstance(host, HostRatioProfile)
+        torch.testing.assert_close(
+            torch.from_numpy(host.capped_mass(t.numpy())), ref.capped_mass(t), rtol=0, atol=1e-12
+        )
+        torch.testing.assert_close(
+            torch.from_numpy(host.capped_mass(t[0, 2:3].numpy())), ref.capped_mass(t[0, 2:3])
+        )
+        for n in (2, 3, 4, 8):
+            for solver, steps in (
+                (solve_resispec_T, ResiSpecRule.verify_halvings),
+                (solve_resispec_T, None),
+                (solve_kseq_rho, None),
+            ):
+                got, want = solver(p, q, n, host, steps=steps), solver(p, q, n, ref, steps=steps)
+                assert got.dtype == want.dtype == dtype
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
+            t_star = solve_resispec_T(p, q, n, ref, steps=ResiSpecRule.verify_halvings)
+            plan_h, plan_t = shaped_plan(p, q, n, t_star, host), shaped_plan(p, q, n, t_star, ref)
+            for name in ("mu", "lo", "hi", "bottom", "top"):
+                torch.testing.assert_close(getattr(plan_h, name), getattr(plan_t, name), rtol=0, atol=1e-12)
+            proposal = VERIFIERS["resispec"].propose(q, n, torch.Generator().manual_seed(row))
+            for seed in range(20):
+                got = VERIFIERS["resispec"].verify(p, proposal, torch.Generator().manual_seed(seed))
+                want = verify_sequential(p, proposal, plan_t, torch.Generator().manual_seed(seed))
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_histogram_profile_is_exact_at_bin_edges_and_locates_T():
     """HistogramProfile: F exact at bin edges (and within width x bin mass between them); the T* it locates is
     within a few bin widths of the sorted profile's; DirectMass is F itself."""
