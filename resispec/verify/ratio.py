@@ -130,8 +130,9 @@ class HostRatioProfile:
 
 
 def build_profile(p: Tensor, q: Tensor) -> RatioProfile | HostRatioProfile:
-    """The ratio profile the solvers work on: numpy for one row on CPU (the decoder's nodes), torch otherwise."""
-    if p.shape[0] == 1 and p.device.type == "cpu":
+    """The ratio profile the solvers work on: numpy for one float32/float64 row on CPU (the decoder's nodes),
+    torch otherwise (batches, GPUs, half precisions numpy lacks)."""
+    if p.shape[0] == 1 and p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64):
         return HostRatioProfile.build(p, q)
     return RatioProfile.build(p, q)
 
