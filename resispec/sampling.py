@@ -93,6 +93,16 @@ def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Te
     return sample_rows(probs, 1, generator)[:, 0]
 
 
+def standard_gumbel(
+    shape: tuple[int, ...], generator: torch.Generator | None, device=None, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Standard Gumbel noise G = -log(-log U), U ~ U[0, 1) in float64 (so the top of G is not quantised: a
+    float32 U would leave only ~40 values of G above 13), then cast to dtype. One uniform per entry: on CPU
+    ~2x cheaper than -log(E) with E from exponential_ (~25 ns an entry)."""
+    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
+    return (-torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float64).tiny)))).to(dtype)
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -126,8 +136,7 @@ class SeedStream:
         gen = torch.Generator(device="cpu").manual_seed(
             _mix64((self.seed * 0x9E3779B97F4A7C15 + position) & _MASK64)
         )
-        e = torch.empty(like.shape[-1], dtype=torch.float32).exponential_(generator=gen)
-        return (-torch.log(e.clamp_min(torch.finfo(torch.float32).tiny)))[None].to(like.device)
+        return standard_gumbel((like.shape[-1],), gen)[None].to(like.device)
 
     def sample(self, probs: Tensor, position: int) -> Tensor:
         """The token at `position` for every row of probs [N, V] -> [N]: argmax(log p + G_position)."""

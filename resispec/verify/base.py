@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from resispec.sampling import sample_rows
+from resispec.sampling import sample_rows, standard_gumbel
 
 Tensor = torch.Tensor
 SCHEMES = ("iid", "distinct", "deterministic")
@@ -130,9 +130,8 @@ def uniform(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | N
 
 
 def gumbel_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Standard Gumbel noise of `like`'s shape: G = -log(E), E ~ Exp(1) (E is clamped away from 0)."""
-    e = torch.empty_like(like).exponential_(generator=generator)
-    return -torch.log(e.clamp_min(torch.finfo(like.dtype).tiny))
+    """Standard Gumbel noise of `like`'s shape, dtype and device (resispec.sampling.standard_gumbel)."""
+    return standard_gumbel(tuple(like.shape), generator, like.device, like.dtype)
 
 
 def sample_weights(weights: Tensor, generator: torch.Generator | None, fallback: Tensor) -> Tensor:
@@ -147,6 +146,23 @@ def sample_weights(weights: Tensor, generator: torch.Generator | None, fallback:
 def draw_iid(q: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
     """n i.i.d. draws from q [B, V] -> [B, n]."""
     return sample_rows(q, n, generator)
+
+
+def draw_distinct(q: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
+    """n draws WITHOUT replacement from q [B, V], in draw order -> [B, n]; -1 once a row's support is exhausted.
+    Draw i is an inverse-CDF draw from q restricted to the tokens not drawn yet: the law of Gumbel-top-n
+    (distinct.gumbel_top), with one uniform per draw instead of V exponentials per row (on CPU, where an
+    exponential costs ~25 ns, 5-40x cheaper). For the rules that never read the Gumbel noise (rsd, resispec_wor)."""
+    rest, draws = q, []
+    for i in range(n):
+        left = rest.sum(-1) > 0  # [B]; rest holds exact q values or exact zeros
+        x = sample_rows(rest, 1, generator)[
+            :, 0
+        ]  # never a zero-weight token (token 0 for a row without mass)
+        draws.append(torch.where(left, x, -1))
+        if i + 1 < n:
+            rest = rest.scatter(-1, x[:, None], 0.0)
+    return torch.stack(draws, -1)
 
 
 def top_distinct(keys: Tensor, support: Tensor, n: int) -> Tensor:

@@ -1,4 +1,4 @@
-"""Rules whose draws are distinct tokens: onehot (top-n of q), rsd (Gumbel-top-n + recursive rejection),
+"""Rules whose draws are distinct tokens: onehot (top-n of q), rsd (n draws without replacement + recursive rejection),
 hub (top n-1 of q + one sampled off that set) and gumbel (Gumbel-top-n, coupled emission).
 
 Deterministic draws (onehot, hub's top set) are the top of q with ties broken toward the lowest index; when q has
@@ -17,6 +17,7 @@ from resispec.verify.base import (
     Tensor,
     check_draws,
     check_pair,
+    draw_distinct,
     first_slot,
     gather_at,
     gumbel_noise,
@@ -87,8 +88,8 @@ class RsdRule:
     greedy_only = False
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
-        tokens, noise = gumbel_top(q, check_draws(n), generator)
-        return Proposal(token_ids=tokens, q=q, draw_probs=conditional_draw_probs(q, tokens), noise=noise)
+        tokens = draw_distinct(q, check_draws(n), generator)  # the law of Gumbel-top-n; no noise needed
+        return Proposal(token_ids=tokens, q=q, draw_probs=conditional_draw_probs(q, tokens))
 
     @torch.no_grad()
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):

@@ -1,6 +1,6 @@
 """ResiSpec shaping for DISTINCT draws (`resispec_wor`): the "Open problem" of DESIGN.md.
 
-Draws: n distinct tokens, sampled sequentially without replacement from q (Gumbel-top-n, in key order).
+Draws: n distinct tokens, sampled sequentially without replacement from q (base.draw_distinct: the law of Gumbel-top-n).
 Verification walks the draws in order. At draw i the state is a target residual p_i (a distribution) and
 the current draw distribution q_i (q without the earlier draws, renormalised); k = draws left, counting this one.
 
@@ -40,11 +40,11 @@ from resispec.verify.base import (
     Tensor,
     check_draws,
     check_pair,
+    draw_distinct,
     first_slot,
     sample_weights,
     uniform,
 )
-from resispec.verify.distinct import gumbel_top
 
 # lam = 0 (rsd's first step) is always a candidate; lam >= max p/q accepts nothing at this draw
 LAMBDA_GRID = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 1e30], dtype=torch.float64)
@@ -124,8 +124,8 @@ class ResiSpecWORRule:
     greedy_only = False
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
-        tokens, noise = gumbel_top(q, check_draws(n), generator)  # [B, n] (-1 past q's support)
-        return Proposal(token_ids=tokens, q=q, noise=noise)
+        tokens = draw_distinct(q, check_draws(n), generator)  # [B, n] (-1 past q's support)
+        return Proposal(token_ids=tokens, q=q)
 
     @torch.no_grad()
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):

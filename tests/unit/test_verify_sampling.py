@@ -166,3 +166,29 @@ def test_large_vocab_chi_square(large_pair, name):
     alpha = rule.acceptance(p1.double(), q1.double(), LARGE_N).item()
     se = math.sqrt(max(alpha * (1 - alpha), 1 / LARGE_SAMPLES) / LARGE_SAMPLES)
     assert abs(accepted / LARGE_SAMPLES - alpha) <= NUM_SE * se, (name, accepted / LARGE_SAMPLES, alpha)
+
+
+def test_draw_distinct_is_sampling_without_replacement():
+    """base.draw_distinct (rsd's and resispec_wor's draws): the ordered draws follow sampling without replacement,
+    P(a, b, c) = q_a q_b / (1 - q_a) q_c / (1 - q_a - q_b), the law of Gumbel-top-n (chi-square over the 24
+    ordered triples); a q = 0 token is never drawn, and slots past q's support are -1."""
+    from itertools import permutations
+
+    from resispec.verify.base import draw_distinct
+
+    num = 200_000
+    q1 = torch.tensor([0.45, 0.0, 0.3, 0.15, 0.1], dtype=torch.float64)
+    draws = draw_distinct(q1.expand(num, -1).contiguous(), 3, torch.Generator().manual_seed(0))
+    support = [0, 2, 3, 4]
+    triples = list(permutations(support, 3))
+    code = {t: i for i, t in enumerate(triples)}
+    got = np.bincount([code[tuple(row)] for row in draws.tolist()], minlength=len(triples))
+    assert got.sum() == num  # every row: three distinct tokens of q's support, never token 1 (q = 0)
+    want = np.array([q1[a] * q1[b] / (1 - q1[a]) * q1[c] / (1 - q1[a] - q1[b]) for a, b, c in triples])
+    assert stats.chisquare(got, num * want / want.sum()).pvalue > DELTA
+    # two tokens of support, four slots: both drawn (in either order), then -1
+    short = torch.tensor([[0.0, 0.7, 0.0, 0.3]]).expand(1000, -1).contiguous()
+    d = draw_distinct(short, 4, torch.Generator().manual_seed(1))
+    assert (d[:, 2:] == -1).all() and (d[:, :2].sort(-1).values == torch.tensor([1, 3])).all()
+    frac_first = (d[:, 0] == 1).double().mean().item()
+    assert abs(frac_first - 0.7) < 4 * math.sqrt(0.21 / 1000)
