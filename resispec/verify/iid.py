@@ -84,7 +84,7 @@ Profile = RatioProfile | HostRatioProfile | HistogramProfile
 
 
 def _xp(x):
-    """The array module of x: numpy or torch (where, minimum, stack)."""
+    """The array module of x: numpy or torch (for where and stack)."""
     return np if isinstance(x, np.ndarray) else torch
 
 
