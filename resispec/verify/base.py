@@ -157,9 +157,8 @@ def draw_distinct(q: Tensor, n: int, generator: torch.Generator | None) -> Tenso
     rest, draws = q, []
     for i in range(n):
         left = rest.sum(-1) > 0  # [B]; rest holds exact q values or exact zeros
-        x = sample_rows(rest, 1, generator)[
-            :, 0
-        ]  # never a zero-weight token (token 0 for a row without mass)
+        # never a zero-weight token (token 0 for a row without mass left, replaced by -1 below)
+        x = sample_rows(rest, 1, generator)[:, 0]
         draws.append(torch.where(left, x, -1))
         if i + 1 < n:
             rest = rest.scatter(-1, x[:, None], 0.0)

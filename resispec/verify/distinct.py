@@ -1,5 +1,5 @@
-"""Rules whose draws are distinct tokens: onehot (top-n of q), rsd (n draws without replacement + recursive rejection),
-hub (top n-1 of q + one sampled off that set) and gumbel (Gumbel-top-n, coupled emission).
+"""Rules whose draws are distinct tokens: onehot (top-n of q), rsd (n draws without replacement + recursive
+rejection), hub (top n-1 of q + one sampled off that set) and gumbel (Gumbel-top-n, coupled emission).
 
 Deterministic draws (onehot, hub's top set) are the top of q with ties broken toward the lowest index; when q has
 fewer positive tokens than slots they include q = 0 tokens (still exact, and they can still be accepted).

@@ -1,6 +1,7 @@
 """ResiSpec shaping for DISTINCT draws (`resispec_wor`): the "Open problem" of DESIGN.md.
 
-Draws: n distinct tokens, sampled sequentially without replacement from q (base.draw_distinct: the law of Gumbel-top-n).
+Draws: n distinct tokens, sampled sequentially without replacement from q (base.draw_distinct: the law of
+Gumbel-top-n).
 Verification walks the draws in order. At draw i the state is a target residual p_i (a distribution) and
 the current draw distribution q_i (q without the earlier draws, renormalised); k = draws left, counting this one.
 
