@@ -535,8 +535,8 @@ def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
             "Per-step breakdown (ms per speculative step, measured inside the steps of this run): draft forwards, "
             "drafting (candidate sampling, tree masks), target forward, accept walk, other (cache compaction, "
             "bookkeeping); host overhead = step minus the two models' forwards, and as a fraction of one AR token's "
-            "time in the same run and of the row's own target forward. predicted fwd: the cost model's forward time for that tree (measured at start-up, "
-            "so on a drifting shared machine it can be off by tens of percent).",
+            "time in the same run and of the row's own target forward. predicted fwd: the cost model's forward time "
+            "for that tree (measured at start-up, so on a drifting shared machine it can be off by tens of percent).",
             "",
             "| T | row | nodes | step | draft fwd | drafting | target fwd | accept | other | host overhead "
             "| overhead / AR token | overhead / target fwd | predicted fwd |",

@@ -198,12 +198,12 @@ def test_host_profile_matches_the_torch_profile(dtype, vocab):
 
     p_all, q_all = random_pairs(6, vocab, seed=15, dtype=dtype)
     t = torch.tensor([[0.0, 0.5, 1.0, 1.7, 3.0, 9.0]], dtype=torch.float64)
+    assert isinstance(build_profile(p_all, q_all), RatioProfile)  # a batch
     for row in range(p_all.shape[0]):
         p, q = p_all[row : row + 1], q_all[row : row + 1]
         host, ref = build_profile(p, q), RatioProfile.build(p, q)
         assert isinstance(host, HostRatioProfile)
         assert isinstance(build_profile(p.bfloat16(), q.bfloat16()), RatioProfile)  # numpy has no bfloat16
-        assert isinstance(build_profile(p_all, q_all), RatioProfile)  # a batch
         torch.testing.assert_close(
             torch.from_numpy(host.capped_mass(t.numpy())), ref.capped_mass(t), rtol=0, atol=1e-12
         )
