@@ -47,6 +47,12 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FUSE_MAX_BYTES = 1 << 30
 # up to this many rows a CPU matmul is computed as W @ x^T (see the module docstring); beyond it x @ W^T is as fast
 _WXT_MAX_ROWS = 128
+# from this many rows a float32 CPU matmul uses the oneDNN-prepacked copy of its weight (see the module docstring),
+# for weights of at least this size (below it oneDNN's per-call cost outweighs its better blocking)
+_PACK_MIN_ROWS = 5
+_PACK_MIN_BYTES = 512 << 10
+_PACK_BATCH_HINT = 32
+_NOT_PACKED = (None, None, None, None)
 
 
 @dataclass
@@ -92,8 +98,32 @@ def fast_forward(model):
     return fast
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wxt: bool) -> torch.Tensor:
+def _can_pack(dtype: torch.dtype) -> bool:
+    """oneDNN's prepacked linear exists in this torch build (x86 and aarch64 CPU wheels) for this dtype."""
+    return (
+        dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """W in oneDNN's blocked layout for x @ W^T (a copy, the weight's own storage untouched); None for a small W."""
+    if weight.numel() * weight.element_size() < _PACK_MIN_BYTES:
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+
+
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    wxt: bool,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
+    if packed is not None and rows >= _PACK_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if wxt and rows <= _WXT_MAX_ROWS:
         flat = x.reshape(rows, x.shape[-1])
         if rows == 1:  # MKL's sgemv streams the weight at half the speed of a two-column sgemm: feed x twice
@@ -166,34 +196,53 @@ class FastCausalLM:
                     [(p.weight, p.bias) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)],
                 )
             )
-        fused_bytes = sum(
-            w.numel() * w.element_size()
-            for _, (q_p, k_p, v_p, _), _, _, (g_p, u_p, _) in self.layers
-            for w, _ in (q_p, k_p, v_p, g_p, u_p)
+        linear_bytes = self.head.weight.numel() * self.head.weight.element_size() + sum(
+            w.numel() * w.element_size() for _, attn_p, _, _, mlp_p in self.layers for w, _ in attn_p + mlp_p
         )
-        self.fuse = fused_bytes <= FUSE_MAX_BYTES  # and on CPU only: _fuse turns it off elsewhere
+        # fused and packed copies are made on CPU only (_fuse turns them off elsewhere) and only while they stay
+        # small: for a large model the weights' streaming dominates and a copy would cost memory for nothing
+        self.fuse = linear_bytes <= FUSE_MAX_BYTES
         self._fused: list = []  # per layer: (fused q/k/v, fused gate/up), each a (weight, bias); see _fuse
-        self._fused_from: list = []  # the parameters the fused copies were made from, with their versions
+        # per layer: the oneDNN-packed (q/k/v, o, gate/up, down) weights, then the head's; empty when not packing
+        self._packed: list = []
+        self._packed_head: torch.Tensor | None = None
+        self._fused_from: list = []  # the parameters the copies were made from, with their versions
         if self.fuse:
             self._fuse()
 
     def _fuse(self) -> None:
         """Concatenate each layer's q/k/v and gate/up weights: one matmul each instead of three and two (on CPU a
         small matmul costs ~25 us of dispatch and layout around it, 36 of them per step of the 12-layer target).
+        For float32, also pack every linear's weight (fused ones included) in oneDNN's blocked layout (`_pack`).
         These are copies, so the parameters they came from are remembered with their version counters and the copies
         are rebuilt when any of them was changed in place or replaced (`_stale`)."""
-        self._fused, self._fused_from = [], []
+        self._fused, self._packed, self._packed_head, self._fused_from = [], [], None, []
         if self.embed.device.type != "cpu":  # on CUDA, or moved there after the forward was built
             self.fuse = False
             return
+        pack = _can_pack(self.embed.dtype)
+        sources = [self.head.weight] if pack else []
         with torch.no_grad():
-            for _, (q_p, k_p, v_p, _), _, _, (g_p, u_p, _) in self.layers:
-                self._fused.append((_concat([q_p, k_p, v_p]), _concat([g_p, u_p])))
-                for w, b in (q_p, k_p, v_p, g_p, u_p):
-                    self._fused_from += [(t, _version(t), t.data_ptr()) for t in (w, b) if t is not None]
+            for _, (q_p, k_p, v_p, o_p), _, _, (g_p, u_p, d_p) in self.layers:
+                qkv, gate_up = _concat([q_p, k_p, v_p]), _concat([g_p, u_p])
+                self._fused.append((qkv, gate_up))
+                sources += [t for w, b in (q_p, k_p, v_p, g_p, u_p) for t in (w, b)]
+                if pack:
+                    self._packed.append(tuple(_pack(w) for w, _ in (qkv, o_p, gate_up, d_p)))
+                    sources += [o_p[0], d_p[0]]
+            if pack:
+                self._packed_head = _pack(self.head.weight)
+        self._fused_from = [(t, _version(t), t.data_ptr()) for t in sources if t is not None]
 
     def _stale(self) -> bool:
+        if not self._fused:  # not built yet: a deep copy or an unpickled one (__getstate__)
+            return True
         return any(_version(t) != version or t.data_ptr() != ptr for t, version, ptr in self._fused_from)
+
+    def __getstate__(self) -> dict:
+        """Deep copies and pickles of the model carry this forward (it sits in the model's __dict__) without the
+        copies: oneDNN's packed tensors can be neither copied nor pickled, and the copy rebuilds them on first use."""
+        return {**self.__dict__, "_fused": [], "_packed": [], "_packed_head": None, "_fused_from": []}
 
     def __call__(
         self,
@@ -225,12 +274,15 @@ class FastCausalLM:
         cos, sin = cos[:, None], sin[:, None]
         heads, kv_heads, hd = self.num_heads, self.num_kv, self.head_dim
         gqa = kv_heads != heads
-        if self.fuse and self._stale():  # the weights changed since the fused copies were made
+        if self.fuse and self._stale():  # the weights changed since the copies were made (or none were)
             self._fuse()
         for i, (ln1, (q_p, k_p, v_p, o_p), qk_norm, ln2, (g_p, u_p, d_p)) in enumerate(self.layers):
+            packed = self._packed[i] if self._packed else _NOT_PACKED
             h = _rms(x, *ln1)
             if self.fuse:
-                qkv = _linear(h, *self._fused[i][0], wxt).reshape(bsz, num_q, heads + 2 * kv_heads, hd)
+                qkv = _linear(h, *self._fused[i][0], wxt, packed[0]).reshape(
+                    bsz, num_q, heads + 2 * kv_heads, hd
+                )
                 qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :]
             else:
                 q = _linear(h, *q_p, wxt).reshape(bsz, num_q, heads, hd)
@@ -256,13 +308,15 @@ class FastCausalLM:
                 scale=self.scaling,
                 enable_gqa=gqa,
             )
-            x = x + _linear(a.transpose(1, 2).reshape(bsz, num_q, heads * hd), *o_p, wxt)
+            x = x + _linear(a.transpose(1, 2).reshape(bsz, num_q, heads * hd), *o_p, wxt, packed[1])
             h = _rms(x, *ln2)
             if self.fuse:
-                gate, up = _linear(h, *self._fused[i][1], wxt).chunk(2, dim=-1)
+                gate, up = _linear(h, *self._fused[i][1], wxt, packed[2]).chunk(2, dim=-1)
             else:
                 gate, up = _linear(h, *g_p, wxt), _linear(h, *u_p, wxt)
-            x = x + _linear(F.silu(gate) * up, *d_p, wxt)
+            x = x + _linear(F.silu(gate) * up, *d_p, wxt, packed[3])
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return FastOutput(_linear(_rms(x, *self.norm), self.head.weight, self.head.bias, wxt))
+        return FastOutput(
+            _linear(_rms(x, *self.norm), self.head.weight, self.head.bias, wxt, self._packed_head)
+        )

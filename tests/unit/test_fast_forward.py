@@ -3,10 +3,14 @@ cache contents on every path the decoders use, for every supported architecture,
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 import transformers
 
+import resispec.decoding.fast_forward as ff
 from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.batch import BatchedDecoder
 from resispec.decoding.fast_forward import FastCausalLM, fast_forward
@@ -23,6 +27,14 @@ from tests.unit.test_decoding_helpers import micro_arch, micro_llama, one_thread
 
 VOCAB = 96
 TOL = dict(atol=2e-4, rtol=2e-4)
+
+
+@pytest.fixture(autouse=True)
+def pack_every_linear(monkeypatch):
+    """The micro models' weights are below ff._PACK_MIN_BYTES: here every float32 linear of 2 rows or more takes the
+    oneDNN-packed path, so each test below holds that path to HF's forward (elsewhere they run the plain one)."""
+    monkeypatch.setattr(ff, "_PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(ff, "_PACK_MIN_ROWS", 2)
 
 
 def _model(arch: str, seed: int = 0, **extra):
@@ -112,8 +124,9 @@ def test_ragged_batch_with_row_removal_equals_hf():
 
 @pytest.mark.parametrize("arch", ["Llama", "Qwen2"])
 def test_weights_changed_after_the_forward_was_built_are_used(arch):
-    """On CPU the fast forward multiplies by fused COPIES of q/k/v and gate/up: weights edited in place (an optimizer
-    step) or replaced (.to(dtype)) after it was built must still be the ones it uses (Qwen2: the q/k/v biases)."""
+    """On CPU the fast forward multiplies by COPIES: fused q/k/v and gate/up, and in float32 every linear's weight
+    packed for oneDNN (o, down and the tied head too). Weights edited in place (an optimizer step) or replaced
+    (.to(dtype)) after it was built must still be the ones it uses (Qwen2: the q/k/v biases)."""
     model = _model(arch, seed=5)
     fast = fast_forward(model)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
@@ -132,8 +145,39 @@ def test_weights_changed_after_the_forward_was_built_are_used(arch):
         if attn.v_proj.bias is not None:
             attn.v_proj.bias.add_(1.0)
     same()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.mul_(0.5)
+        mlp.down_proj.weight.add_(0.02)
+        model.lm_head.weight.mul_(1.5)  # tied to the embedding
+    same()
     model.to(torch.float64)  # every parameter replaced
     same()
+
+
+def test_float32_cpu_linears_use_onednn_packed_weights():
+    """Float32 on CPU: every linear from ff._PACK_MIN_ROWS rows on multiplies by a oneDNN-packed copy of its weight
+    (the same product as x @ W^T + b at every row count and batch shape); float64 keeps the plain weights."""
+    if not ff._can_pack(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear")
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    packed = ff._pack(weight)
+    for shape in [(1, 1, 32), (1, 2, 32), (1, 5, 32), (3, 7, 32), (1, 25, 32)]:
+        x = torch.randn(*shape, generator=gen)
+        torch.testing.assert_close(ff._linear(x, weight, bias, True, packed), x @ weight.T + bias, **TOL)
+    model = _model("Llama")
+    fast = fast_forward(model)
+    assert len(fast._packed) == len(model.model.layers) and fast._packed_head is not None
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        want = forward_logits(fast, ids, new_cache(model))
+        # a deep copy or a pickle of the model carries its forward without the packed copies, rebuilt on use
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            torch.testing.assert_close(forward_logits(fast_forward(other), ids, new_cache(other)), want)
+            assert fast_forward(other) is not fast and fast_forward(other)._packed
+        model.to(torch.float64)
+        forward_logits(fast, ids, new_cache(model))
+    assert fast._packed == [] and fast._packed_head is None and fast._fused  # rebuilt as plain fused copies
 
 
 def test_unsupported_models_run_the_hf_forward():
