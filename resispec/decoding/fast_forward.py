@@ -10,6 +10,13 @@ Why (measured on the tiny world, 2-core EPYC, fp32; recipes/tiny/README.md "Deco
     rows, W @ x^T has a cliff of its own at row counts just short of a multiple of 8: the target's linears cost
     16.5 ms for 15 rows against 10 ms for 16 (12 layers, cold weights, medians of 7 interleaved rounds), so 13-15,
     21-23, ... rows are padded with zero rows (AR steps of the batched decoder at 13-15 rows: 10-12% faster).
+  - from 5 rows on, a float32 linear whose weight is 512 KB or more multiplies by a copy of the weight packed in
+    oneDNN's blocked layout (`torch.ops.mkldnn`, what inductor's CPU freezing and vLLM's CPU backend use): MKL and
+    W @ x^T repack the weight into blocks on every call, a cost a 25-node tree verify pays for every linear.
+    Target forward over a 64-token prefix, packed against not, medians of 6 interleaved rounds (2026-12-04): 1-4
+    rows unchanged (not used), 5 rows 0.96x, 6 0.90x, 12 0.85x, 24 0.92x, 25 0.84x, 32 0.88x. Decoder, 6 prompts x
+    48 tokens, 4 rounds: resispec [4,2,1,1] +22% tok/s at T = 0 and +12% at T = 1, chains +2%, AR unchanged.
+    Smaller weights (the tiny draft's) lose to oneDNN's per-call cost, so they are not packed.
   - on CPU a small matmul costs ~25 us of dispatch and layout around it: q/k/v and gate/up are multiplied as one
     fused weight each (copies, rebuilt when the model's weights change; only while the copies stay under
     FUSE_MAX_BYTES, since for a large model the weights' streaming dominates and the copy would cost memory for
@@ -30,7 +37,8 @@ and cache contents to HF's on every path (prefill, one token, tree mask, ragged 
 
 Supported: `model_type` llama, mistral, qwen2, qwen3 with SiLU MLPs and full attention (what `new_cache` accepts).
 Anything else (peft wrappers or LoRA-injected layers, quantized linears, other architectures, torch.compile'd
-modules) runs the HF forward: `fast_forward` returns the model itself. On CUDA the W @ x^T trick is off (cuBLAS has no such cliff) and the rest still applies.
+modules) runs the HF forward: `fast_forward` returns the model itself. On CUDA the W @ x^T trick and the fused and
+packed copies are off (cuBLAS has no such cliff) and the rest still applies.
 """
 
 from __future__ import annotations
