@@ -10,13 +10,14 @@ Why (measured on the tiny world, 2-core EPYC, fp32; recipes/tiny/README.md "Deco
     rows, W @ x^T has a cliff of its own at row counts just short of a multiple of 8: the target's linears cost
     16.5 ms for 15 rows against 10 ms for 16 (12 layers, cold weights, medians of 7 interleaved rounds), so 13-15,
     21-23, ... rows are padded with zero rows (AR steps of the batched decoder at 13-15 rows: 10-12% faster).
-  - from 5 rows on, a float32 linear whose weight is 512 KB or more multiplies by a copy of the weight packed in
-    oneDNN's blocked layout (`torch.ops.mkldnn`, what inductor's CPU freezing and vLLM's CPU backend use): MKL and
-    W @ x^T repack the weight into blocks on every call, a cost a 25-node tree verify pays for every linear.
-    Target forward over a 64-token prefix, packed against not, medians of 6 interleaved rounds (2026-12-04): 1-4
-    rows unchanged (not used), 5 rows 0.96x, 6 0.90x, 12 0.85x, 24 0.92x, 25 0.84x, 32 0.88x. Decoder, 6 prompts x
-    48 tokens, 4 rounds: resispec [4,2,1,1] +22% tok/s at T = 0 and +12% at T = 1, chains +2%, AR unchanged.
-    Smaller weights (the tiny draft's) lose to oneDNN's per-call cost, so they are not packed.
+  - a float32 linear whose weight is 512 KB or more multiplies by a copy of the weight packed in oneDNN's blocked
+    layout (`torch.ops.mkldnn`, what inductor's CPU freezing and vLLM's CPU backend use): MKL and W @ x^T repack
+    the weight into blocks on every call, a cost a 25-node tree verify pays for every linear. Target forward over
+    a 64-token prefix, packed against not, medians of 6 interleaved rounds (2026-12-04): 1 row 0.94x, 2-4 rows
+    0.91-1.04x, 5 rows 0.96x, 6 0.90x, 12 0.85x, 24 0.92x, 25 0.84x, 32 0.88x. Decoder, 6 prompts x 48 tokens,
+    interleaved: resispec [4,2,1,1] +22% tok/s at T = 0 and +12% at T = 1 (4 rounds), AR +7% and chain [1,1,1,1]
+    unchanged at T = 1 (10 rounds). Smaller weights (the tiny draft's but its head) lose to oneDNN's per-call
+    cost, so they are not packed.
   - on CPU a small matmul costs ~25 us of dispatch and layout around it: q/k/v and gate/up are multiplied as one
     fused weight each (copies, rebuilt when the model's weights change; only while the copies stay under
     FUSE_MAX_BYTES, since for a large model the weights' streaming dominates and the copy would cost memory for
@@ -55,9 +56,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FUSE_MAX_BYTES = 1 << 30
 # up to this many rows a CPU matmul is computed as W @ x^T (see the module docstring); beyond it x @ W^T is as fast
 _WXT_MAX_ROWS = 128
-# from this many rows a float32 CPU matmul uses the oneDNN-prepacked copy of its weight (see the module docstring),
-# for weights of at least this size (below it oneDNN's per-call cost outweighs its better blocking)
-_PACK_MIN_ROWS = 5
+# a float32 CPU matmul uses the oneDNN-prepacked copy of its weight (see the module docstring) for weights of at
+# least this size (below it oneDNN's per-call cost outweighs its better blocking)
 _PACK_MIN_BYTES = 512 << 10
 _PACK_BATCH_HINT = 32
 _NOT_PACKED = (None, None, None, None)
@@ -129,9 +129,9 @@ def _linear(
     wxt: bool,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
-    if packed is not None and rows >= _PACK_MIN_ROWS:
+    if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.numel() // x.shape[-1]
     if wxt and rows <= _WXT_MAX_ROWS:
         flat = x.reshape(rows, x.shape[-1])
         if rows == 1:  # MKL's sgemv streams the weight at half the speed of a two-column sgemm: feed x twice

@@ -31,10 +31,9 @@ TOL = dict(atol=2e-4, rtol=2e-4)
 
 @pytest.fixture(autouse=True)
 def pack_every_linear(monkeypatch):
-    """The micro models' weights are below ff._PACK_MIN_BYTES: here every float32 linear of 2 rows or more takes the
-    oneDNN-packed path, so each test below holds that path to HF's forward (elsewhere they run the plain one)."""
+    """The micro models' weights are below ff._PACK_MIN_BYTES: here every float32 linear takes the oneDNN-packed
+    path, so each test below holds that path to HF's forward (elsewhere they run the plain one)."""
     monkeypatch.setattr(ff, "_PACK_MIN_BYTES", 0)
-    monkeypatch.setattr(ff, "_PACK_MIN_ROWS", 2)
 
 
 def _model(arch: str, seed: int = 0, **extra):
@@ -155,8 +154,8 @@ def test_weights_changed_after_the_forward_was_built_are_used(arch):
 
 
 def test_float32_cpu_linears_use_onednn_packed_weights():
-    """Float32 on CPU: every linear from ff._PACK_MIN_ROWS rows on multiplies by a oneDNN-packed copy of its weight
-    (the same product as x @ W^T + b at every row count and batch shape); float64 keeps the plain weights."""
+    """Float32 on CPU: every linear multiplies by a oneDNN-packed copy of its weight (the same product as
+    x @ W^T + b at every row count and batch shape); float64 keeps the plain weights."""
     if not ff._can_pack(torch.float32):
         pytest.skip("this torch build has no oneDNN linear")
     gen = torch.Generator().manual_seed(0)
