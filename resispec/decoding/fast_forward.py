@@ -204,12 +204,18 @@ class FastCausalLM:
                     [(p.weight, p.bias) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)],
                 )
             )
-        linear_bytes = self.head.weight.numel() * self.head.weight.element_size() + sum(
-            w.numel() * w.element_size() for _, attn_p, _, _, mlp_p in self.layers for w, _ in attn_p + mlp_p
+
+        def nbytes(linears) -> int:
+            return sum(w.numel() * w.element_size() for w, _ in linears)
+
+        fused_bytes = sum(nbytes([*attn_p[:3], *mlp_p[:2]]) for _, attn_p, _, _, mlp_p in self.layers)
+        linear_bytes = nbytes([(self.head.weight, None)]) + sum(
+            nbytes(attn_p + mlp_p) for _, attn_p, _, _, mlp_p in self.layers
         )
         # fused and packed copies are made on CPU only (_fuse turns them off elsewhere) and only while they stay
         # small: for a large model the weights' streaming dominates and a copy would cost memory for nothing
-        self.fuse = linear_bytes <= FUSE_MAX_BYTES
+        self.fuse = fused_bytes <= FUSE_MAX_BYTES
+        self.pack = linear_bytes <= FUSE_MAX_BYTES  # packed copies of every linear (float32 only: _fuse)
         self._fused: list = []  # per layer: (fused q/k/v, fused gate/up), each a (weight, bias); see _fuse
         # per layer: the oneDNN-packed (q/k/v, o, gate/up, down) weights, then the head's; empty when not packing
         self._packed: list = []
@@ -228,7 +234,7 @@ class FastCausalLM:
         if self.embed.device.type != "cpu":  # on CUDA, or moved there after the forward was built
             self.fuse = False
             return
-        pack = _can_pack(self.embed.dtype)
+        pack = self.pack and _can_pack(self.embed.dtype)
         sources = [self.head.weight] if pack else []
         with torch.no_grad():
             for _, (q_p, k_p, v_p, o_p), _, _, (g_p, u_p, d_p) in self.layers:

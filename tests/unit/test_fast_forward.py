@@ -179,6 +179,27 @@ def test_float32_cpu_linears_use_onednn_packed_weights():
     assert fast._packed == [] and fast._packed_head is None and fast._fused  # rebuilt as plain fused copies
 
 
+def test_fused_but_not_packed_when_every_linear_would_not_fit(monkeypatch):
+    """The copies' budget: q/k/v and gate/up fused while they fit in ff.FUSE_MAX_BYTES, packed copies of every linear
+    only while all of them (o, down and the head too) fit as well."""
+    model = _model("Llama")
+    layers = model.model.layers
+    fused = sum(
+        m.weight.numel() * 4
+        for layer in layers
+        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        + (layer.mlp.gate_proj, layer.mlp.up_proj)
+    )
+    monkeypatch.setattr(ff, "FUSE_MAX_BYTES", fused)
+    fast = FastCausalLM(model)
+    assert fast.fuse and fast._fused and not fast.pack and fast._packed == [] and fast._packed_head is None
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            forward_logits(fast, ids, new_cache(model)), forward_logits(model, ids, new_cache(model)), **TOL
+        )
+
+
 def test_unsupported_models_run_the_hf_forward():
     gelu = micro_llama(32, 1, VOCAB, seed=0, hidden_act="gelu")
     assert fast_forward(gelu) is gelu and fast_forward(gelu) is gelu
