@@ -124,7 +124,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,  # None only with `packed`
     bias: torch.Tensor | None,
     wxt: bool,
     packed: torch.Tensor | None = None,
@@ -216,7 +216,7 @@ class FastCausalLM:
         # small: for a large model the weights' streaming dominates and a copy would cost memory for nothing
         self.fuse = fused_bytes <= FUSE_MAX_BYTES
         self.pack = linear_bytes <= FUSE_MAX_BYTES  # packed copies of every linear (float32 only: _fuse)
-        self._fused: list = []  # per layer: (fused q/k/v, fused gate/up), each a (weight, bias); see _fuse
+        # per layer: (fused q/k/v, fused gate/up), each a (weight, bias), the weight None where it is packed; see _fuse
         # per layer: the oneDNN-packed (q/k/v, o, gate/up, down) weights, then the head's; empty when not packing
         self._packed: list = []
         self._packed_head: torch.Tensor | None = None
@@ -239,11 +239,15 @@ class FastCausalLM:
         with torch.no_grad():
             for _, (q_p, k_p, v_p, o_p), _, _, (g_p, u_p, d_p) in self.layers:
                 qkv, gate_up = _concat([q_p, k_p, v_p]), _concat([g_p, u_p])
-                self._fused.append((qkv, gate_up))
                 sources += [t for w, b in (q_p, k_p, v_p, g_p, u_p) for t in (w, b)]
                 if pack:
-                    self._packed.append(tuple(_pack(w) for w, _ in (qkv, o_p, gate_up, d_p)))
+                    packed = tuple(_pack(w) for w, _ in (qkv, o_p, gate_up, d_p))
+                    self._packed.append(packed)
                     sources += [o_p[0], d_p[0]]
+                    # a fused weight with a packed copy is never read again (_linear takes the copy): keep its bias
+                    qkv = qkv if packed[0] is None else (None, qkv[1])
+                    gate_up = gate_up if packed[2] is None else (None, gate_up[1])
+                self._fused.append((qkv, gate_up))
             if pack:
                 self._packed_head = _pack(self.head.weight)
         self._fused_from = [(t, _version(t), t.data_ptr()) for t in sources if t is not None]
