@@ -594,8 +594,8 @@ class BatchedSpeculativeDecoder:
                 run, accepted = walk_greedy(tree, best[b][: tree.num_nodes])
             else:  # the lean step's walk (same randomness as a row decoded alone)
 
-                def p_at(node: int, b: int = b, r: BatchRow = r) -> torch.Tensor:
-                    return self._probs(logits[b, node : node + 1], r.settings)
+                def p_at(nodes: list[int], b: int = b, r: BatchRow = r) -> torch.Tensor:
+                    return self._probs(logits[b, nodes], r.settings)
 
                 run, accepted = walk_sampled(rules[b], tree, p_at, proposals[b], r.generator, r.length + 1)
             t_valid[b, [0] + accepted] = True

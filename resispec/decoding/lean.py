@@ -2,9 +2,11 @@
 
 Same contract, same tree, same rules; what it does not do (measured on CPU, where every torch call costs a few
 microseconds whatever its size, so the number of calls is the cost):
-- verify whole tree levels: only the node the walk stands on is verified (a one-row proposal), so a rejection at
-  depth 1 costs one rule call, and the per-node work of the rule (resispec's ratio sort and T* solve) is done for
-  D nodes at most instead of every node of every level reached;
+- verify whole tree levels: only the nodes the walk reaches are verified, so a rejection at depth 1 costs one rule
+  call, and the per-node work of the rule (resispec's ratio sort and T* solve) is done for D nodes at most instead
+  of every node of every level reached. Below a branching node the walk's next node is known only after its
+  verification, but along a chain it is not: a run of nodes with one child each (a chain, or the tail of a
+  [4, 2, 1, 1] tree) is verified in ONE batched rule call and one host sync (`chain_from`);
 - compute the target distribution of every node: p is built only for the nodes on the walk, lazily;
 - run the sampling transform or the rule at temperature 0: greedy drafting takes the top-b draft LOGITS (softmax
   is monotone) and the accept walk is one argmax over all nodes plus a walk over Python dicts (one host sync);
@@ -109,8 +111,8 @@ def lean_spec_steps(
             run, accepted = walk_greedy(tree, best)
         else:
 
-            def p_at(node: int, logits: torch.Tensor = logits) -> torch.Tensor:
-                return dec._probs(logits[node : node + 1], settings)  # [1, V]
+            def p_at(nodes: list[int], logits: torch.Tensor = logits) -> torch.Tensor:
+                return dec._probs(logits[nodes], settings)  # [len(nodes), V]
 
             run, accepted = walk_sampled(rule, tree, p_at, proposals, generator, num_committed)
         stats.accept_seconds += time.perf_counter() - t2
@@ -182,23 +184,41 @@ def walk_greedy(tree: DraftTree, best: list[int]) -> tuple[list[int], list[int]]
 def walk_sampled(
     rule, tree: DraftTree, p_at, proposals: list, generator, position: int = 0
 ) -> tuple[list[int], list[int]]:
-    """Verify only the nodes the walk reaches, each as a one-row proposal (module docstring).
-    p_at(node) -> [1, V]: the target distribution at `node`; position: the absolute position of the root's
-    children (a SeedStream's bonus token is keyed by its position). Returns (emitted run, accepted node ids)."""
+    """Verify only the nodes the walk reaches (module docstring), a chain of them in one call (`chain_from`).
+    p_at(nodes) -> [len(nodes), V]: the target distribution at those nodes; position: the absolute position of
+    the root's children (a SeedStream's bonus token is keyed by its position). Returns (emitted run, accepted node
+    ids)."""
     node, run, accepted = 0, [], []
-    for depth in range(1, tree.depth + 1):
-        row = node - tree.level_starts[depth - 1]
-        p = p_at(node)  # [1, V]
-        token, slot = rule.verify(p, proposals[depth - 1].select(row), generator)
-        tok, hit = torch.stack([token[0], slot[0]]).tolist()
-        run.append(tok)
-        if hit < 0:
-            return run, accepted
-        child = tree.children[node].get(tok)
-        if child is None:
-            raise RuntimeError(f"rule accepted token {tok} that is not a child of node {node}")
-        node = child
-        accepted.append(node)
-    leaf_p = p_at(node)  # [1, V]
+    while tree.depths[node] < tree.depth:
+        nodes = chain_from(tree, proposals, node)
+        parts = [proposals[tree.depths[v]].select(v - tree.level_starts[tree.depths[v]]) for v in nodes]
+        proposal = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
+        token, slot = rule.verify(p_at(nodes), proposal, generator)
+        tokens, hits = torch.stack([token, slot]).tolist()  # one host sync for the chain
+        for v, tok, hit in zip(nodes, tokens, hits, strict=True):
+            run.append(tok)
+            if hit < 0:  # rejected: `tok` is the correction token (the rows below were verified for nothing)
+                return run, accepted
+            node = tree.children[v].get(tok)
+            if node is None:
+                raise RuntimeError(f"rule accepted token {tok} that is not a child of node {v}")
+            accepted.append(node)
+    leaf_p = p_at([node])  # [1, V]
     run.append(int(sample_at(leaf_p, generator, position + len(accepted)).item()))
     return run, accepted
+
+
+def chain_from(tree: DraftTree, proposals: list, node: int) -> list[int]:
+    """The nodes the walk verifies in one rule call from `node` on: `node`, then while the last one has exactly one
+    child that is not a leaf and drafted as many draws, that child. If every node of the run but the last accepts,
+    the walk reaches each of them in turn, so they are verified together (independent rows, fresh randomness each:
+    the law of the sequential walk); the rows past a rejection are discarded. [node] alone where `node` branches."""
+    nodes = [node]
+    draws = proposals[tree.depths[node]].num_draws
+    while len(tree.children[nodes[-1]]) == 1:
+        child = next(iter(tree.children[nodes[-1]].values()))
+        depth = tree.depths[child]
+        if depth >= tree.depth or proposals[depth].num_draws != draws:
+            break
+        nodes.append(child)
+    return nodes

@@ -53,6 +53,9 @@ class CostModel:
     # ms to propose and verify one node by number of draws (sampled decoding; empty at temperature 0, where the
     # walk is one argmax): a walk verifies depth d only when it reaches d, see verify_cost
     verify_ms: dict[int, float] = field(default_factory=dict)
+    # ms per further node of a one-draw run that the walk verifies in one rule call (lean.chain_from): proposing it
+    # and its row of the batched verification; 0 = each such node costs verify_ms[1] (no batching)
+    verify_row_ms: float = 0.0
 
     @staticmethod
     def _at(table: dict[int, float], n: int) -> float:
@@ -84,11 +87,19 @@ class CostModel:
         )
 
     def verify_cost(self, tree: Sequence[int], alpha: dict[int, float]) -> float:
-        """Expected ms of the accept walk: depth d's node is verified with probability prod_{j < d} alpha(b_j)."""
-        total, reach = 0.0, 1.0
-        for b in tree:
-            total += reach * self.verify_ms.get(b, 0.0)
-            reach *= alpha[b]
+        """Expected ms of the accept walk: depth d's node is verified with probability prod_{j < d} alpha(b_j),
+        except that, once verify_row_ms is measured, a run of one-draw depths (a chain, or a tree's tail; a leaf
+        is not verified) costs one call when the walk reaches its first node (lean.chain_from): verify_ms[1], plus
+        verify_row_ms per further node."""
+        total, reach, depth = 0.0, 1.0, 0
+        while depth < len(tree):
+            b, run = tree[depth], 1
+            while self.verify_row_ms > 0 and b == 1 and depth + run < len(tree) and tree[depth + run] == 1:
+                run += 1
+            total += reach * (self.verify_ms.get(b, 0.0) + (run - 1) * self.verify_row_ms)
+            for b_j in tree[depth : depth + run]:
+                reach *= alpha[b_j]
+            depth += run
         return total
 
 
@@ -427,6 +438,31 @@ def measure_verify_ms(rule, vocab: int, max_draws: int = 4, reps: int = 15, devi
     return out
 
 
+@torch.no_grad()
+def measure_verify_row_ms(rule, vocab: int, rows: int = 4, reps: int = 15, device="cpu") -> float:
+    """Median ms per further node of a one-draw run verified in one call (lean.chain_from): `rows` one-draw
+    proposals and one batched verification, less one node's propose-and-verify, over rows - 1."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(rows, vocab, generator=gen)
+    p = torch.softmax(logits, -1).to(device)
+    q = torch.softmax(logits + torch.randn(rows, vocab, generator=gen), -1).to(device)
+    rng = torch.Generator(device=p.device).manual_seed(0)
+
+    def run(k: int) -> float:
+        t0 = time.perf_counter()
+        parts = [rule.propose(q[i : i + 1], 1, rng) for i in range(k)]
+        proposal = parts[0] if k == 1 else type(parts[0]).cat(parts)
+        token, _slot = rule.verify(p[:k], proposal, rng)
+        token.tolist()
+        return time.perf_counter() - t0
+
+    one, many = [], []
+    for _ in range(reps + 2):
+        one.append(run(1))
+        many.append(run(rows))
+    return 1e3 * max(statistics.median(many[2:]) - statistics.median(one[2:]), 0.0) / (rows - 1)
+
+
 class Planner:
     """Plans trees for one target on this device: the cost model measured once, the target's own continuations
     of `prompts` generated once per sampling setting, one calibration per (draft, rule, sampling) asked for.
@@ -506,13 +542,14 @@ class Planner:
         rule_obj = build_rule(rule, auto_policy)
         if not is_greedy(settings.get("temperature", 1.0)):
             vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
-            cost.verify_ms = measure_verify_ms(
-                rule_obj, vocab, max(alpha), device=next(draft.parameters()).device
-            )
+            device = next(draft.parameters()).device
+            cost.verify_ms = measure_verify_ms(rule_obj, vocab, max(alpha), device=device)
+            cost.verify_row_ms = measure_verify_row_ms(rule_obj, vocab, device=device)
         plans = {}
         for b in batch_sizes:
             at_b = self.cost_for(draft, b)
             at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
+            at_b.verify_row_ms = cost.verify_row_ms * b
             # per step and per node: timed with the one-node chain and a wider tree
             measure = measure_overhead if b == 1 else functools.partial(measure_batch_overhead, rows=b)
             small, wide = (

@@ -114,6 +114,24 @@ class AutoProposal(Proposal):
             distinct_part=sub if is_distinct else None,
         )
 
+    @classmethod
+    def cat(cls, parts: list[AutoProposal]) -> AutoProposal:
+        """The rows of `parts` in order, each branch's sub-proposal rows joined in the same order."""
+        base = Proposal.cat(parts)
+
+        def branch(name: str) -> Proposal | None:
+            subs = [getattr(x, name) for x in parts if getattr(x, name) is not None]
+            return type(subs[0]).cat(subs) if subs else None
+
+        return cls(
+            token_ids=base.token_ids,
+            q=base.q,
+            noise=base.noise,
+            distinct_mask=torch.cat([x.distinct_mask for x in parts]),
+            iid_part=branch("iid_part"),
+            distinct_part=branch("distinct_part"),
+        )
+
 
 class ResiSpecAutoRule:
     """Per-node choice between an i.i.d. and a distinct drafting scheme (module docstring)."""

@@ -58,6 +58,19 @@ class Proposal:
             top_ids=cut(self.top_ids),
         )
 
+    @classmethod
+    def cat(cls, parts: list[Proposal]) -> Proposal:
+        """The rows of `parts` (proposals of one rule with the same number of draws) as one proposal, in order:
+        verifying it is verifying each part (rows are independent)."""
+        join = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
+        return cls(
+            token_ids=join([x.token_ids for x in parts]),
+            q=join([x.q for x in parts]),
+            draw_probs=join([x.draw_probs for x in parts]),
+            noise=join([x.noise for x in parts]),
+            top_ids=join([x.top_ids for x in parts]),
+        )
+
 
 @runtime_checkable
 class VerificationRule(Protocol):

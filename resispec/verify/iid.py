@@ -310,6 +310,28 @@ def verify_sequential(
     return token, first_slot(tokens, token)
 
 
+@torch.no_grad()
+def verify_one_draw(
+    p: Tensor, proposal: Proposal, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """The sequential scheme at ONE draw per row, what every i.i.d. rule's verification is at n = 1 (standard
+    speculative sampling): accept the draw x with probability min(1, w / mu_1), w = p(x) / q(x) and mu_1 = sum p,
+    else sample m_2 = (p - mu_1 q)+. The same law as verify_sequential with greedy_plan(p, q, 1), in a third of its
+    torch calls (~12 instead of ~40; on CPU the calls are the cost of one node: 0.15 against 0.45 ms at V = 8192).
+    A -1 slot (no draw) accepts nothing and samples p. p [B, V], proposal.token_ids [B, 1] -> token [B], slot [B]."""
+    draws = proposal.token_ids[:, 0]  # [B]
+    q = proposal.q
+    valid = draws >= 0
+    ids = draws.clamp_min(0)[:, None]  # [B, 1]
+    total = p.sum(-1, keepdim=True)  # mu_1 [B, 1]
+    mu_q = torch.where(valid[:, None], total, torch.zeros_like(total))  # mu_1, or 0 where nothing was drawn
+    # u mu_1 < min(mu_1, w)  <=>  u mu_1 q(x) < p(x) (u < 1; a drawn x has q(x) > 0)
+    ok = valid & (uniform((p.shape[0], 1), p, generator) * mu_q * q.gather(-1, ids) < p.gather(-1, ids))[:, 0]
+    fallback = sample_weights((p - mu_q * q).clamp_min(0), generator, p)
+    token = torch.where(ok, draws, fallback)
+    return token, torch.where(valid & (token == draws), 0, -1)
+
+
 # ---------------------------------------------------------------------------------------------- rules
 
 
@@ -350,8 +372,7 @@ class ChainRule(_IidRule):
 
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
         check_pair(p, proposal.q)
-        first = Proposal(token_ids=proposal.token_ids[:, :1], q=proposal.q)
-        token, _ = verify_sequential(p, first, greedy_plan(p, proposal.q, 1), generator)
+        token, _ = verify_one_draw(p, Proposal(token_ids=proposal.token_ids[:, :1], q=proposal.q), generator)
         return token, first_slot(proposal.token_ids, token)
 
     def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
@@ -368,6 +389,8 @@ class RrsRule(_IidRule):
 
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
         check_pair(p, proposal.q)
+        if proposal.num_draws == 1:
+            return verify_one_draw(p, proposal, generator)
         plan = greedy_plan(p, proposal.q, proposal.num_draws)
         return verify_sequential(p, proposal, plan, generator)
 
@@ -385,8 +408,8 @@ class KseqRule(_IidRule):
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
         check_pair(p, proposal.q)
         n = proposal.num_draws
-        if n == 1:  # rho* = 1: the scaled plan IS the chain plan (same caps, same randomness), no solve
-            return verify_sequential(p, proposal, greedy_plan(p, proposal.q, 1), generator)
+        if n == 1:  # rho* = 1: the scaled plan IS the chain plan, no solve
+            return verify_one_draw(p, proposal, generator)
         rho = solve_kseq_rho(p, proposal.q, n)
         return verify_sequential(p, proposal, scaled_plan(p, proposal.q, n, rho), generator)
 
@@ -412,10 +435,8 @@ class ResiSpecRule(_IidRule):
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
         check_pair(p, proposal.q)
         n = proposal.num_draws
-        if (
-            n == 1
-        ):  # the last draw is greedy whatever T: one draw IS the chain rule (same caps, same randomness)
-            return verify_sequential(p, proposal, greedy_plan(p, proposal.q, 1), generator)
+        if n == 1:  # the last draw is greedy whatever T: one draw IS the chain rule
+            return verify_one_draw(p, proposal, generator)
         q = proposal.q
         if p.shape[-1] >= self.histogram_min_vocab:
             # large V: locate T* on a histogram (O(V), no sort), build the plan on exact masses (O(nV))

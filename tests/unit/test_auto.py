@@ -91,6 +91,35 @@ def test_auto_mixed_batch_is_exact(distinct_rule: str, n: int) -> None:
         assert abs(rate[b] - alpha[b]) < 4.5 * se + 1e-12
 
 
+@pytest.mark.parametrize("name", ["resispec_auto", "gumbel", "hub", "rsd", "resispec"])
+def test_rows_selected_and_joined_again_are_the_proposal(name: str) -> None:
+    """Proposal.cat (and AutoProposal.cat) of the rows that select() cut out gives back the proposal: the walk
+    verifies a run of nodes taken from several levels as one proposal (lean.chain_from)."""
+    p, q = _mixed_pair()
+    rule = auto_rule(AutoPolicy(threshold=0.3)) if name == "resispec_auto" else VERIFIERS[name]
+    proposal = rule.propose(q, 2, torch.Generator().manual_seed(0))
+    order = [2, 0, 3, 1]
+    joined = type(proposal).cat([proposal.select(i) for i in order])
+    assert type(joined) is type(proposal)
+
+    def same(a, b) -> None:
+        for field in ("token_ids", "q", "draw_probs", "noise", "top_ids", "distinct_mask"):
+            x, y = getattr(a, field, None), getattr(b, field, None)
+            assert (x is None) == (y is None), field
+            assert x is None or torch.equal(x[order] if x.shape[0] == 4 else x, y), field
+
+    same(proposal, joined)
+    if name == "resispec_auto":  # each branch's rows in the joined order
+        for part in ("iid_part", "distinct_part"):
+            rows = [i for i in order if bool(proposal.distinct_mask[i]) == (part == "distinct_part")]
+            want = torch.cat([getattr(proposal.select(i), part).token_ids for i in rows])
+            assert torch.equal(getattr(joined, part).token_ids, want)
+    # verifying the joined rows verifies each row: same emitted token law, here the same slots' meaning
+    token, slot = rule.verify(p[order], joined, torch.Generator().manual_seed(1))
+    hit = slot >= 0
+    assert bool((joined.token_ids.gather(-1, slot.clamp_min(0)[:, None])[:, 0] == token)[hit].all())
+
+
 def test_auto_acceptance_branches() -> None:
     p, q = _mixed_pair()
     gum = auto_rule(AutoPolicy(threshold=0.3, distinct_rule="gumbel"))

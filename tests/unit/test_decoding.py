@@ -179,3 +179,32 @@ def test_other_architectures_greedy_identity(arch):
         assert torch.equal(dec.generate(ids, max_new_tokens=12, temperature=0.0).sequences, hf)
     out = dec.generate(ids, max_new_tokens=12, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert out.sequences.shape == (1, 16)
+
+
+def test_sampled_walk_verifies_a_chain_in_one_rule_call(pair, prompts):
+    """At temperature > 0 the lean walk verifies a chain's nodes in one batched rule call per step (lean.chain_from),
+    and a [3, 1, 1] tree's depths 2-3 in one call after the root's: with the target as its own draft every draft is
+    accepted, so the calls per step are exactly that."""
+    target = pair[0]
+
+    class Counting:
+        def __init__(self, rule):
+            self.rule, self.rows = rule, []
+            self.name, self.scheme, self.greedy_only = rule.name, rule.scheme, rule.greedy_only
+
+        def propose(self, q, n, generator=None):
+            return self.rule.propose(q, n, generator)
+
+        def verify(self, p, proposal, generator=None):
+            self.rows.append(p.shape[0])
+            return self.rule.verify(p, proposal, generator)
+
+    for tree, rows in (([1, 1, 1, 1], [4]), ([3, 1, 1], [1, 2])):
+        rule = Counting(VERIFIERS["resispec"])
+        dec = SpeculativeDecoder(target, target, rule=rule, tree=tree)
+        gen = torch.Generator().manual_seed(0)
+        out = dec.generate(
+            prompts[2], max_new_tokens=len(tree) + 1, temperature=1.0, generator=gen, eos_token_id=[]
+        )
+        assert out.sequences.shape[1] == prompts[2].shape[1] + len(tree) + 1  # one step, all accepted
+        assert rule.rows == rows, tree

@@ -82,10 +82,10 @@ def powered_critical_value(joint: torch.Tensor, draft_joint: torch.Tensor, num: 
     return crit
 
 
-def check_rule(rule: str, num: int, world, lean: bool = True) -> None:
+def check_rule(rule: str, num: int, world, lean: bool = True, tree: list[int] = TREE) -> None:
     target, draft, joint, draft_joint = world
     crit = powered_critical_value(joint, draft_joint, num)
-    dec = SpeculativeDecoder(target, draft, rule=rule, tree=TREE, lean=lean)
+    dec = SpeculativeDecoder(target, draft, rule=rule, tree=tree, lean=lean)
     counts = sample_joint(dec, num, seed=SAMPLING_RULES.index(rule))
     stat, df = pearson(counts, joint, num)
     assert stat < crit, (
@@ -104,3 +104,10 @@ def test_joint_law_of_three_tokens(rule, lean, world):
 @pytest.mark.parametrize("rule", SAMPLING_RULES)
 def test_joint_law_of_three_tokens_many_samples(rule, lean, world):
     check_rule(rule, 5000, world, lean)
+
+
+@pytest.mark.parametrize("rule", SAMPLING_RULES)
+def test_joint_law_of_three_tokens_on_a_chain(rule, world):
+    """A chain: the lean walk verifies its one-draw nodes in one batched rule call (lean.chain_from; with 3 tokens
+    to emit, the first step drafts 2 deep and verifies the root and depth 1 together)."""
+    check_rule(rule, 300, world, lean=True, tree=[1, 1, 1])

@@ -22,6 +22,7 @@ from resispec.decoding.planner import (
     expected_tau,
     measure_batch_overhead,
     measure_verify_ms,
+    measure_verify_row_ms,
     monotone,
     plan_tree,
 )
@@ -107,6 +108,24 @@ def test_verify_cost_weights_each_depth_by_its_reach():
     cost = _costs(0.0, verify_ms={1: 1.0, 2: 2.0})
     assert cost.verify_cost([2, 1, 1], {1: 0.5, 2: 0.8}) == pytest.approx(2.0 + 0.8 * 1.0 + 0.8 * 0.5 * 1.0)
     assert _costs(0.0).verify_cost([2, 1], {1: 0.5, 2: 0.8}) == 0.0
+
+
+def test_verify_cost_charges_a_one_draw_run_as_one_call():
+    """lean.chain_from verifies a run of one-draw nodes in one call when the walk reaches the run's first node."""
+    cost = _costs(0.0, verify_ms={1: 1.0, 2: 2.0})
+    cost.verify_row_ms = 0.25
+    alpha = {1: 0.5, 2: 0.8}
+    # [2, 1, 1]: the root's two draws, then depths 2 and 3 in one call of two rows
+    assert cost.verify_cost([2, 1, 1], alpha) == pytest.approx(2.0 + 0.8 * (1.0 + 0.25))
+    # a chain of four: one call of four rows at the root
+    assert cost.verify_cost([1, 1, 1, 1], alpha) == pytest.approx(1.0 + 3 * 0.25)
+    # [2, 1, 2]: depth 2 alone (its child draws twice), then depth 3's two draws
+    assert cost.verify_cost([2, 1, 2], alpha) == pytest.approx(2.0 + 0.8 * 1.0 + 0.8 * 0.5 * 2.0)
+
+
+def test_one_draw_run_cost_is_measured():
+    ms = measure_verify_row_ms(build_rule("resispec"), vocab=512, reps=3)
+    assert ms >= 0.0
 
 
 def test_plan_never_beats_the_best_candidate_by_enumeration():

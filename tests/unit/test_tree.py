@@ -39,6 +39,32 @@ def test_tree_merges_repeats_and_skips_empty_slots():
     assert len(tree.add_level([[-1], [-1], [-1]])) == 0 and tree.depth == 2  # an empty level is not added
 
 
+def test_chain_from_runs_of_one_child_nodes():
+    """The nodes the sampled walk verifies in one rule call: down through nodes with one child and as many draws,
+    never a leaf, and a branching node only as the last of a run."""
+    from types import SimpleNamespace
+
+    from resispec.decoding.lean import chain_from
+
+    def build(levels, draws):
+        tree = DraftTree(root_token=0, max_nodes=32)
+        for level in levels:
+            tree.add_level(level)
+        return tree, [SimpleNamespace(num_draws=d) for d in draws]
+
+    chain, props = build([[[5]], [[6]], [[7]], [[8]]], [1, 1, 1, 1])  # [1, 1, 1, 1]
+    assert chain_from(chain, props, 0) == [0, 1, 2, 3]  # the leaf (node 4) is not verified
+    assert chain_from(chain, props, 2) == [2, 3]
+    # [2, 1, 1]: the root branches (alone); below it each depth-1 node runs to depth 2
+    tree, props = build([[[5, 6]], [[7], [8]], [[9], [10]]], [2, 1, 1])
+    assert chain_from(tree, props, 0) == [0] and chain_from(tree, props, 1) == [1, 3]
+    # two equal i.i.d. draws make one child: a run only where the next node drafts as many draws
+    tree, props = build([[[5, 5]], [[6, 7]], [[8], [9]]], [2, 2, 1])
+    assert chain_from(tree, props, 0) == [0, 1]
+    tree, props = build([[[5, 5]], [[6]], [[7]]], [2, 1, 1])
+    assert chain_from(tree, props, 0) == [0]
+
+
 def test_parse_tree_rejects_bad_shapes():
     assert parse_tree([4, 2, 1]) == [4, 2, 1] and max_tree_nodes([4, 2, 1]) == 4 + 8 + 8
     for bad in ([], [2, 0]):
