@@ -10,6 +10,10 @@ Why (measured on the tiny world, 2-core EPYC, fp32; recipes/tiny/README.md "Deco
     rows, W @ x^T has a cliff of its own at row counts just short of a multiple of 8: the target's linears cost
     16.5 ms for 15 rows against 10 ms for 16 (12 layers, cold weights, medians of 7 interleaved rounds), so 13-15,
     21-23, ... rows are padded with zero rows (AR steps of the batched decoder at 13-15 rows: 10-12% faster).
+    Weights under 512 KB (`_WXT_MIN_BYTES`) skip this form: their product is all per-call cost, which the form's
+    extra ops (repeat, transposes, slice) raise (37-51 us against 4-10 us for F.linear, one row, 96- to 256-wide).
+    Interleaved, 8-14 rounds (2026-12-04): the tiny draft's forward 9-27% faster at 1-8 rows, the target's (whose
+    o_proj is the one weight this small) 6-7% at one row and unchanged (+-1.5%) at 5-22 rows.
   - a float32 linear whose weight is 512 KB or more multiplies by a copy of the weight packed in oneDNN's blocked
     layout (`torch.ops.mkldnn`, what inductor's CPU freezing and vLLM's CPU backend use): MKL and W @ x^T repack
     the weight into blocks on every call, a cost a 25-node tree verify pays for every linear. Target forward over
@@ -56,6 +60,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FUSE_MAX_BYTES = 1 << 30
 # up to this many rows a CPU matmul is computed as W @ x^T (see the module docstring); beyond it x @ W^T is as fast
 _WXT_MAX_ROWS = 128
+# ... and only for weights of at least this size: below it the product is all per-call cost, and the W @ x^T form's
+# extra ops (repeat, transposes, slice) cost more than it saves (see the module docstring)
+_WXT_MIN_BYTES = 512 << 10
 # a float32 CPU matmul uses the oneDNN-prepacked copy of its weight (see the module docstring) for weights of at
 # least this size (below it oneDNN's per-call cost outweighs its better blocking)
 _PACK_MIN_BYTES = 512 << 10
@@ -132,7 +139,7 @@ def _linear(
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     rows = x.numel() // x.shape[-1]
-    if wxt and rows <= _WXT_MAX_ROWS:
+    if wxt and rows <= _WXT_MAX_ROWS and weight.numel() * weight.element_size() >= _WXT_MIN_BYTES:
         flat = x.reshape(rows, x.shape[-1])
         if rows == 1:  # MKL's sgemv streams the weight at half the speed of a two-column sgemm: feed x twice
             flat = flat.repeat(2, 1)

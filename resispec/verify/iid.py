@@ -202,9 +202,9 @@ class WindowPlan:
     bottom: Tensor
     top: Tensor
 
-    def cap(self, i: int, w: Tensor) -> Tensor:
-        """c_i at the drawn ratio w [B] -> [B]."""
-        return (torch.minimum(w, self.hi[:, i]) - self.lo[:, i]).clamp_min(0)
+    def caps(self, w: Tensor) -> Tensor:
+        """c_1..c_{n-1}, each at its draw's ratio: w [B, n - 1] -> [B, n - 1]."""
+        return (torch.minimum(w, self.hi) - self.lo).clamp_min(0)
 
     def used(self, w: Tensor) -> Tensor:
         """L_n(w) = sum of the caps before the last draw, at w [B] -> [B]."""
@@ -223,8 +223,8 @@ class ScaledPlan:
     nu: Tensor
     rho: Tensor
 
-    def cap(self, i: int, w: Tensor) -> Tensor:
-        return self.nu[:, i] * torch.clamp(w / self.rho, max=1)
+    def caps(self, w: Tensor) -> Tensor:
+        return self.nu * torch.clamp(w / self.rho[:, None], max=1)
 
     def used(self, w: Tensor) -> Tensor:
         return self.nu.sum(-1) * torch.clamp(w / self.rho, max=1)
@@ -293,20 +293,16 @@ def verify_sequential(
     w = torch.where(qx > 0, px / torch.where(qx > 0, qx, torch.ones_like(qx)), torch.zeros_like(qx))
     u = uniform(tuple(tokens.shape), p, generator)  # [B, n]
     mu = plan.mu  # [B, n]
-    accepted = torch.zeros_like(valid[:, 0])
-    token = torch.full_like(tokens[:, 0], -1)
     last = n - 1
-    for i in range(n):
-        if i < last:
-            c = plan.cap(i, w[:, i])
-        else:  # greedy last draw: take all that is left of x, up to mu_n
-            c = torch.minimum(mu[:, i], w[:, i] - plan.used(w[:, i]))
-        ok = valid[:, i] & (u[:, i] * mu[:, i] < c) & ~accepted
-        token = torch.where(ok, tokens[:, i], token)
-        accepted = accepted | ok
+    # every draw's cap at once: the plan's for draws 1..n-1; the greedy last draw takes all that is left of x, up
+    # to mu_n. Draw i accepts when u_i mu_i < c_i; the first draw that accepts is the emitted one.
+    tail = torch.minimum(mu[:, last], w[:, last] - plan.used(w[:, last]))
+    c = torch.cat([plan.caps(w[:, :last]), tail[:, None]], -1)  # [B, n]
+    ok = valid & (u * mu < c)  # [B, n]
+    first = ok.to(torch.uint8).argmax(-1, keepdim=True)  # the first True (argmax returns the first maximum)
     residual = (p - plan.used_mass(p, q) - mu[:, last, None] * q).clamp_min(0)  # m_{n+1} [B, V]
     fallback = sample_weights(residual, generator, p)
-    token = torch.where(accepted, token, fallback)
+    token = torch.where(ok.any(-1), tokens.gather(-1, first)[:, 0], fallback)
     return token, first_slot(tokens, token)
 
 

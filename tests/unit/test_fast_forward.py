@@ -31,9 +31,25 @@ TOL = dict(atol=2e-4, rtol=2e-4)
 
 @pytest.fixture(autouse=True)
 def pack_every_linear(monkeypatch):
-    """The micro models' weights are below ff._PACK_MIN_BYTES: here every float32 linear takes the oneDNN-packed
-    path, so each test below holds that path to HF's forward (elsewhere they run the plain one)."""
+    """The micro models' weights are below ff._PACK_MIN_BYTES and ff._WXT_MIN_BYTES: here every float32 linear
+    takes the oneDNN-packed path and every other CPU linear the W @ x^T one, so each test below holds those paths
+    to HF's forward (elsewhere small weights take F.linear)."""
     monkeypatch.setattr(ff, "_PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(ff, "_WXT_MIN_BYTES", 0)
+
+
+def test_cpu_linear_forms_equal_x_times_w_transposed(monkeypatch):
+    """_linear's CPU forms (W @ x^T with one row fed twice and 13-15, 21-23 rows padded; F.linear for small
+    weights or many rows) are the same product as x @ W^T + b at every row count and batch shape."""
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    for wxt_min in (0, 1 << 30):  # every weight on W @ x^T; none
+        monkeypatch.setattr(ff, "_WXT_MIN_BYTES", wxt_min)
+        for shape in [(1, 1, 32), (1, 2, 32), (1, 5, 32), (1, 13, 32), (1, 16, 32), (1, 22, 32), (3, 7, 32)]:
+            x = torch.randn(*shape, generator=gen)
+            for b in (bias, None):
+                want = x @ weight.T + (0 if b is None else b)
+                torch.testing.assert_close(ff._linear(x, weight, b, True), want, **TOL)
 
 
 def _model(arch: str, seed: int = 0, **extra):
