@@ -62,13 +62,27 @@ class Proposal:
     def cat(cls, parts: list[Proposal]) -> Proposal:
         """The rows of `parts` (proposals of one rule with the same number of draws) as one proposal, in order:
         verifying it is verifying each part (rows are independent)."""
-        join = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
+
+        def join(name: str, fill: float) -> Tensor | None:
+            xs = [getattr(x, name) for x in parts]
+            ref = next((x for x in xs if x is not None), None)
+            if ref is None:
+                return None
+            # a field that only some parts carry (resispec_auto's noise: its i.i.d. rows have none) is filled as
+            # its convention has it for the rows without: noise 0, draw_probs 0, top_ids -1
+            return torch.cat(
+                [
+                    ref.new_full((part.token_ids.shape[0], *ref.shape[1:]), fill) if x is None else x
+                    for part, x in zip(parts, xs, strict=True)
+                ]
+            )
+
         return cls(
-            token_ids=join([x.token_ids for x in parts]),
-            q=join([x.q for x in parts]),
-            draw_probs=join([x.draw_probs for x in parts]),
-            noise=join([x.noise for x in parts]),
-            top_ids=join([x.top_ids for x in parts]),
+            token_ids=join("token_ids", -1),
+            q=join("q", 0.0),
+            draw_probs=join("draw_probs", 0.0),
+            noise=join("noise", 0.0),
+            top_ids=join("top_ids", -1),
         )
 
 

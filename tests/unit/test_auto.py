@@ -118,6 +118,14 @@ def test_rows_selected_and_joined_again_are_the_proposal(name: str) -> None:
     token, slot = rule.verify(p[order], joined, torch.Generator().manual_seed(1))
     hit = slot >= 0
     assert bool((joined.token_ids.gather(-1, slot.clamp_min(0)[:, None])[:, 0] == token)[hit].all())
+    if name == "resispec_auto":  # rows of a proposal with distinct rows next to one whose rows are all i.i.d.
+        flat = rule.propose(q[[0, 2]], 2, torch.Generator().manual_seed(2))
+        assert proposal.noise is not None and flat.noise is None and not bool(flat.distinct_mask.any())
+        mixed = AutoProposal.cat([proposal.select(1), flat.select(0), flat.select(1)])
+        assert torch.equal(mixed.noise[1:], torch.zeros(2, q.shape[1], dtype=q.dtype))  # i.i.d. rows: noise 0
+        assert torch.equal(mixed.noise[:1], proposal.noise[1:2])
+        token, slot = rule.verify(p[[1, 0, 2]], mixed, torch.Generator().manual_seed(3))
+        assert token.shape == (3,) and bool((token >= 0).all())
 
 
 def test_auto_acceptance_branches() -> None:

@@ -208,3 +208,19 @@ def test_sampled_walk_verifies_a_chain_in_one_rule_call(pair, prompts):
         )
         assert out.sequences.shape[1] == prompts[2].shape[1] + len(tree) + 1  # one step, all accepted
         assert rule.rows == rows, tree
+
+
+def test_resispec_auto_chain_whose_depths_draft_by_different_schemes(pair, prompts):
+    """A chain run verified in one call can join resispec_auto rows of both branches (one depth drafted distinct, the
+    next i.i.d.: their proposals carry different fields); the policy here alternates the branch at every depth."""
+    from resispec.verify.registry import build_rule
+
+    target, close, _ = pair
+    rule = build_rule("resispec_auto", {"threshold": 0.5})  # a rule and policy of its own
+    calls = iter(range(10**6))
+    rule.policy.distinct_rows = lambda q, n: torch.full((q.shape[0],), next(calls) % 2 == 0)
+    dec = SpeculativeDecoder(target, close, rule=rule, tree=[1, 1, 1, 1])
+    for seed, ids in enumerate(prompts):
+        gen = torch.Generator().manual_seed(seed)
+        out = dec.generate(ids, max_new_tokens=NEW_TOKENS, temperature=1.0, generator=gen, eos_token_id=[])
+        assert out.sequences.shape[1] == ids.shape[1] + NEW_TOKENS
