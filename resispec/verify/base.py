@@ -61,7 +61,8 @@ class Proposal:
     @classmethod
     def cat(cls, parts: list[Proposal]) -> Proposal:
         """The rows of `parts` (proposals of one rule with the same number of draws) as one proposal, in order:
-        verifying it is verifying each part (rows are independent)."""
+        verifying it is verifying each part (rows are independent). A subclass with fields of its own overrides it
+        (AutoProposal does); the decoder's walk joins the proposals of a chain's levels with it."""
 
         def join(name: str, fill: float) -> Tensor | None:
             xs = [getattr(x, name) for x in parts]
