@@ -139,4 +139,14 @@ def test_build_estimate_times_real_steps_and_changes_nothing(micro_world, tmp_pa
     for role in ("target_dir", "draft_dir"):
         a = load_file(getattr(paths, role) / "model.safetensors")
         b = load_file(getattr(again, role) / "model.safetensors")
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), role
+        assert a.keys() == b.keys(), role
+        if not all(torch.equal(a[k], b[k]) for k in a):  # say which cause: a time-budget stop, or float drift
+            model = role.removesuffix("_dir")
+            runs = [
+                {k: p.report.get(model, {}).get(k) for k in ("steps", "stopped_by", "train_seconds")}
+                for p in (paths, again)
+            ]
+            diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+            pytest.fail(
+                f"{role}: the two builds differ (max abs {diff:.3g}); silent build {runs[0]}, this one {runs[1]}"
+            )
