@@ -224,6 +224,7 @@ class FastCausalLM:
         self.fuse = fused_bytes <= FUSE_MAX_BYTES
         self.pack = linear_bytes <= FUSE_MAX_BYTES  # packed copies of every linear (float32 only: _fuse)
         # per layer: (fused q/k/v, fused gate/up), each a (weight, bias), the weight None where it is packed; see _fuse
+        self._fused: list = []
         # per layer: the oneDNN-packed (q/k/v, o, gate/up, down) weights, then the head's; empty when not packing
         self._packed: list = []
         self._packed_head: torch.Tensor | None = None
