@@ -417,15 +417,21 @@ def plan_tree(
     return best
 
 
+def _verify_probe(vocab: int, rows: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """Fixed softmax rows p, q [rows, V] (a target and a correlated draft) and a seeded generator on their device: what
+    the verification timings run on (the cost depends on V and the draws, not on the values)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(rows, vocab, generator=gen)
+    p = torch.softmax(logits, -1).to(device)
+    q = torch.softmax(logits + torch.randn(rows, vocab, generator=gen), -1).to(device)
+    return p, q, torch.Generator(device=p.device).manual_seed(0)
+
+
 @torch.no_grad()
 def measure_verify_ms(rule, vocab: int, max_draws: int = 4, reps: int = 15, device="cpu") -> dict[int, float]:
     """Median ms to propose n draws and verify one node of `rule` (a rule object), n = 1..max_draws, on softmax rows
     of this vocabulary size (the cost depends on V and n, not on the values): the accept walk's cost per node."""
-    gen = torch.Generator().manual_seed(0)
-    logits = 3 * torch.randn(1, vocab, generator=gen)
-    p = torch.softmax(logits, -1).to(device)
-    q = torch.softmax(logits + torch.randn(1, vocab, generator=gen), -1).to(device)
-    rng = torch.Generator(device=p.device).manual_seed(0)
+    p, q, rng = _verify_probe(vocab, 1, device)
     out = {}
     for n in range(1, max_draws + 1):
         times = []
@@ -442,11 +448,7 @@ def measure_verify_ms(rule, vocab: int, max_draws: int = 4, reps: int = 15, devi
 def measure_verify_row_ms(rule, vocab: int, rows: int = 4, reps: int = 15, device="cpu") -> float:
     """Median ms per further node of a one-draw run verified in one call (lean.chain_from): `rows` one-draw
     proposals and one batched verification, less one node's propose-and-verify, over rows - 1."""
-    gen = torch.Generator().manual_seed(0)
-    logits = 3 * torch.randn(rows, vocab, generator=gen)
-    p = torch.softmax(logits, -1).to(device)
-    q = torch.softmax(logits + torch.randn(rows, vocab, generator=gen), -1).to(device)
-    rng = torch.Generator(device=p.device).manual_seed(0)
+    p, q, rng = _verify_probe(vocab, rows, device)
 
     def run(k: int) -> float:
         t0 = time.perf_counter()
