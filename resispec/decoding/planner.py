@@ -326,7 +326,7 @@ def measure_batch_overhead(
             generator=gen,
             **settings,
         )
-    dec.step()  # warm-up (the draft's prefill is folded into a row's first step)
+    dec.step()  # warm-up
     probe, seconds, references = ForwardProbe(target, rows), 0.0, []
     for _ in range(steps):
         t0 = time.perf_counter()

@@ -15,8 +15,9 @@ import asyncio
 import json
 import math
 import random
+import re
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -48,6 +49,27 @@ class LoadTestResult:
     server_tau: float | None  # 1 + accepted / drafts from the server's /metrics, this test only
     num_short: int = 0  # completed with fewer tokens than max_tokens although ignore_eos was sent
     label: str = ""
+    # the server's batch decode steps in this test, from /metrics: mode ("draft" | "ar") -> [steps, s, tokens]
+    steps: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def drafted_share(self) -> float | None:
+        """The share of the server's batch steps in which the rows drafted (None: no batch steps counted)."""
+        total = sum(c[0] for c in self.steps.values())
+        return self.steps.get("draft", [0.0])[0] / total if total else None
+
+    def ms_per_token(self, mode: str) -> float | None:
+        """Milliseconds per emitted token of the server's `mode` steps in this test."""
+        steps, seconds, tokens = self.steps.get(mode, (0, 0.0, 0))
+        return 1e3 * seconds / tokens if tokens else None
+
+    @property
+    def draft_ms_per_token(self) -> float | None:
+        return self.ms_per_token("draft")
+
+    @property
+    def ar_ms_per_token(self) -> float | None:
+        return self.ms_per_token("ar")
 
 
 def check_local(url: str) -> None:
@@ -68,14 +90,37 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def _spec_counters(text: str) -> tuple[float, float]:
-    drafts = accepted = 0.0
+def _scrape(text: str) -> dict[str, float]:
+    """A /metrics body -> {name: value} of resispec's metrics, summed over their labels except `mode` (a metric with
+    a mode label is keyed "name:mode")."""
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("resispec:spec_decode_num_drafts_total"):
-            drafts += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("resispec:spec_decode_num_accepted_tokens_total"):
-            accepted += float(line.rsplit(" ", 1)[1])
-    return drafts, accepted
+        if not line.startswith("resispec:"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        mode = re.search(r'mode="([^"]*)"', labels)
+        key = f"{name}:{mode.group(1)}" if mode else name
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+STEP_MODES = ("draft", "ar")
+
+
+def _step_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, list[float]]:
+    """The batch steps between two scrapes: mode -> [steps, seconds, tokens] (empty for a server without them)."""
+    names = (
+        "resispec:batch_steps_total",
+        "resispec:batch_step_seconds_total",
+        "resispec:batch_step_tokens_total",
+    )
+    out = {}
+    for mode in STEP_MODES:
+        delta = [after.get(f"{n}:{mode}", 0.0) - before.get(f"{n}:{mode}", 0.0) for n in names]
+        if delta[0] > 0:
+            out[mode] = delta
+    return out
 
 
 def request_max_tokens(bench: BenchConfig, i: int) -> int:
@@ -165,8 +210,14 @@ async def _load_test(
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(i) for i in range(num_requests)))
         wall = time.perf_counter() - t0
-        d0, a0 = _spec_counters(metrics_before)
-        d1, a1 = _spec_counters((await client.get("/metrics")).text)
+        before, after = _scrape(metrics_before), _scrape((await client.get("/metrics")).text)
+    drafts, accepted = (
+        after.get(name, 0.0) - before.get(name, 0.0)
+        for name in (
+            "resispec:spec_decode_num_drafts_total",
+            "resispec:spec_decode_num_accepted_tokens_total",
+        )
+    )
     latencies = [r[0] for r in results]
     ttfts = [r[1] for r in results]
     tokens = sum(r[2] for r in results)
@@ -187,8 +238,9 @@ async def _load_test(
         latency_p95=percentile(latencies, 95),
         ttft_p50=percentile(ttfts, 50),
         ttft_p95=percentile(ttfts, 95),
-        server_tau=1 + (a1 - a0) / (d1 - d0) if d1 > d0 else None,
+        server_tau=1 + accepted / drafts if drafts > 0 else None,
         num_short=sum(r[2] < r[3] for r in results) if bench.ignore_eos else 0,
+        steps=_step_counts(before, after),
     )
 
 
@@ -261,6 +313,11 @@ def merge_rounds(runs: list[LoadTestResult]) -> LoadTestResult:
         ttft_p95=mean([r.ttft_p95 for r in runs]),
         server_tau=mean(taus) if taus else None,
         num_short=sum(r.num_short for r in runs),
+        steps={
+            mode: [sum(r.steps[mode][i] for r in runs if mode in r.steps) for i in range(3)]
+            for mode in STEP_MODES
+            if any(mode in r.steps for r in runs)
+        },
     )
 
 
@@ -303,6 +360,9 @@ SWEEP_COLUMNS = (
     ("latency_p50", "e2e p50 s", "{:.3f}"),
     ("latency_p95", "e2e p95 s", "{:.3f}"),
     ("server_tau", "tau", "{:.2f}"),
+    ("drafted_share", "drafted", "{:.0%}"),
+    ("draft_ms_per_token", "ms/tok drafting", "{:.2f}"),
+    ("ar_ms_per_token", "ms/tok AR", "{:.2f}"),
 )
 
 

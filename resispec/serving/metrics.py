@@ -7,6 +7,11 @@ Spec-decode counters follow vLLM v1's definitions:
   num_accepted_tokens_per_pos{position=k}  steps whose draft token at depth k+1 was accepted
 so mean accepted length tau = 1 + num_accepted_tokens / num_drafts.
 
+The batch decode steps of continuous batching, by mode (`draft`: the rows drafted a tree; `ar`: a plain
+autoregressive step), are counted with their seconds and emitted tokens, so a client can read off the share of
+steps that drafted and each mode's seconds per token over any window (two scrapes):
+  batch_steps{mode}, batch_step_seconds{mode}, batch_step_tokens{mode}
+
 Each app owns its registry, so several apps in one process (tests) never collide.
 """
 
@@ -132,6 +137,24 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
+        self.batch_steps = Counter(
+            "resispec:batch_steps",
+            "Batch decode steps, by mode: draft (the rows drafted a tree) or ar (no row drafted).",
+            lbl + ["mode"],
+            registry=r,
+        )
+        self.batch_step_seconds = Counter(
+            "resispec:batch_step_seconds",
+            "Seconds in batch decode steps, by mode.",
+            lbl + ["mode"],
+            registry=r,
+        )
+        self.batch_step_tokens = Counter(
+            "resispec:batch_step_tokens",
+            "Tokens emitted by batch decode steps, by mode.",
+            lbl + ["mode"],
+            registry=r,
+        )
         for gauge in (self.running, self.waiting):
             gauge.labels(model_name).set(0)
 
@@ -143,6 +166,13 @@ class ServerMetrics:
         self.num_accepted_tokens.labels(m).inc(stats.num_accepted_tokens)
         for pos, count in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.labels(m, str(pos)).inc(count)
+
+    def observe_step(self, mode: str, seconds: float, tokens: int) -> None:
+        """One batch decode step of `mode` ("draft" | "ar") took `seconds` and emitted `tokens` tokens."""
+        m = self.model_name
+        self.batch_steps.labels(m, mode).inc()
+        self.batch_step_seconds.labels(m, mode).inc(seconds)
+        self.batch_step_tokens.labels(m, mode).inc(tokens)
 
     def observe_chunk(self, dt: float, num_tokens: int) -> None:
         """A decode step emitted `num_tokens` tokens `dt` seconds after the previous one."""

@@ -74,7 +74,7 @@ MIN_SAMPLES = 3  # pure steps of each mode before the model decides instead of t
 # of the mode: one drafting cycle of 333-382 ms among 15-25 ms ones (the second request's first step, in most
 # start-ups of `python serve/server.py`; a pause of the whole interpreter), counted into the mean, put drafting at
 # 1.2-1.6x AR's cost per token and held the server on AR for its first ~1000 steps. The costs one mode pays now and
-# then (the draft's prefill of a newcomer's prompt) are 1.2-2.5x a step and stay in
+# then (a drafting step taking a long pending block) are 1.2-2.5x a step and stay in
 STALL_FACTOR = 4.0
 LOG_EVERY = 512  # batch steps between two INFO lines of the policy's state
 SPECULATION = ("auto", "always", "never")  # lone requests: by measured cost, always speculative, never
@@ -111,8 +111,8 @@ class StepCostModel:
     """One mode's recent pure steps (rows, seconds, emitted tokens) -> predicted seconds per emitted token at any
     number of rows: the step's seconds as a line in the rows (least squares weighted towards the rows asked
     about, slope at least 0), over the tokens the rows emit per step (their mean per row). Means, not medians:
-    the costs only one mode pays now and then (the draft's prefill of a newcomer's prompt in a drafting step)
-    are real, and a median would drop them."""
+    the costs only one mode pays now and then (a drafting step whose rows owe the draft several tokens) are
+    real, and a median would drop them."""
 
     def __init__(self, window: int = MODEL_WINDOW) -> None:
         self.steps: deque = deque(maxlen=window)
@@ -173,6 +173,8 @@ class Scheduler:
         self.kv_budget, self.max_queue = kv_budget, max_queue
         self.speculative = bool(getattr(engine, "speculative", False))
         self.spec_batch = self.batched is not None and getattr(self.batched, "draft", None) is not None
+        if self.spec_batch:  # a batch that never drafts leaves the draft unfed
+            self.batched.prefill_draft = speculation != "never"
         # batch-size bucket -> planned tree, None = do not speculate (decode.tree=auto); empty = the engine's tree.
         # Sampled rows' plan, and greedy rows' (planned at temperature 0; absent: the same plan)
         self.trees_by_batch = getattr(engine, "trees_by_batch", None) or {}
@@ -323,7 +325,8 @@ class Scheduler:
                 task.generator = self.engine.generator(job.params)
                 task.row = self._add_row(task)
                 task.stats = task.row.stats
-                self._prefill_seconds += task.stats.target_seconds  # so far only its prefill
+                # so far only its prefills (the target's, and the draft's on the speculative batch)
+                self._prefill_seconds += task.stats.target_seconds + task.stats.draft_seconds
         except BaseException as exc:
             log.exception("admission failed")
             self._finish(task, exc)
@@ -379,15 +382,20 @@ class Scheduler:
     def _batch_step(self) -> list:
         """One step of the batch; on the speculative batch, each row drafts or not as the policy says."""
         if not self.spec_batch:
-            return self.batched.step()
+            t0 = time.perf_counter()
+            out = self.batched.step()
+            self._count_step(False, time.perf_counter() - t0, len(out))
+            return out
         rows_before = len(self.batched.rows)
         size = _bucket(rows_before)
         # a batch of greedy rows drafts the greedy plan; one sampled row makes every row draft the sampled plan
         greedy = self._greedy_batch = all(r.greedy for r in self.batched.rows)
         mode = self._choose(rows_before, greedy)
         drafting = self.tree_at(size, greedy) if mode else False  # the tree rows draft this step (False: AR)
+        t0 = time.perf_counter()
         out = self.batched.step(drafting)
         tokens = sum(len(chunk) for _, chunk in out)
+        self._count_step(bool(drafting), time.perf_counter() - t0, tokens)
         catching_up = self._ar_rows_before and bool(drafting)
         if tokens and not catching_up:  # a pure step measures its mode
             self._pure = (drafting, rows_before, tokens, greedy)  # _cycle measures it
@@ -399,6 +407,11 @@ class Scheduler:
         if self._steps % LOG_EVERY == 0 and self.speculation == "auto":
             log.info("adaptive speculation, %d steps: %s", self._steps, self._policy_line())
         return out
+
+    def _count_step(self, drafted: bool, seconds: float, tokens: int) -> None:
+        """The batch-step counters of /metrics (every step, pure or not: what the server did, not the model)."""
+        if self.metrics is not None:
+            self.metrics.observe_step("draft" if drafted else "ar", seconds, tokens)
 
     def _policy_line(self) -> str:
         """bucket: drafted share of its steps, the model's ratio there (drafting / AR seconds per token)."""

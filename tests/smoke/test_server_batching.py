@@ -215,6 +215,25 @@ def test_load_sweep_completes_every_request(serve, micro_world, tmp_path, one_th
         assert r.completion_tokens == r.num_requests * 8
         assert r.latency_p50 <= r.latency_p95
     assert (tmp_path / "sweep.md").exists() and (tmp_path / "sweep.png").stat().st_size > 0
+    assert "drafted" in (tmp_path / "sweep.md").read_text()
+
+
+@pytest.mark.parametrize("speculation", ["always", "never"])
+def test_load_test_reads_the_servers_batch_steps(serve, speculation, one_thread):
+    """/metrics counts the batch steps by mode with their seconds and tokens; the load test reports the share
+    that drafted and each mode's ms per token, and the tokens the steps emitted are the completions'."""
+    from resispec.serving.config import BenchConfig
+    from resispec.serving.loadtest import run_load_test
+
+    url, _ = serve(max_batch_size=4, speculation=speculation)
+    bench = BenchConfig(concurrency=3, num_requests=3, max_new_tokens=10, temperatures=[1.0])
+    res = run_load_test(url, PROMPTS, bench, model="m", show=False)
+    assert res.num_ok == 3
+    assert sum(c[2] for c in res.steps.values()) == res.completion_tokens == 30
+    if speculation == "always":
+        assert res.drafted_share == 1.0 and res.draft_ms_per_token > 0 and res.ar_ms_per_token is None
+    else:
+        assert res.drafted_share == 0.0 and res.ar_ms_per_token > 0 and res.draft_ms_per_token is None
 
 
 def test_in_process_comparison(pair, tmp_path, one_thread):

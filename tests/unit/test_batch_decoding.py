@@ -146,13 +146,16 @@ def test_batched_spec_greedy_rows_equal_alone_and_hf(setup, tree):
     assert bs.tcache.num_cols == 0 and bs.dcache.num_cols == 0  # everything released
 
 
+@pytest.mark.parametrize("prefill_draft", [True, False])
 @pytest.mark.parametrize("tree", [(1, 1, 1), (2, 2, 1)])
-def test_batched_spec_target_as_its_own_draft_accepts_every_level(setup, tree):
+def test_batched_spec_target_as_its_own_draft_accepts_every_level(setup, tree, prefill_draft):
     """The target drafting for itself, greedy: every level of every row's tree is accepted (the walk only stops at
     the leaf, or where max_new_tokens cuts the tree). Exactness cannot see the draft's side of a step (a draft
     that attends to the wrong nodes only lowers acceptance); this can: the draft's per-row masks over the
-    earlier levels (a node sees its ancestors; tried: dropping them fails this test). Positions off by one go
-    unnoticed on this random model: RoPE shifts matter little to it."""
+    earlier levels (a node sees its ancestors; tried: dropping them fails this test), and the draft cache of a
+    newcomer, prefilled alone when it joins (prefill_draft) or fed its prompt as the left-padded pending block of
+    a running batch's drafting step. Positions off by one go unnoticed on this random model: RoPE shifts matter
+    little to it."""
     _, _, prompts = setup
     target = micro_llama(64, 2, VOCAB, seed=4)
     # attention that matters: a bigram-like random model would not notice a missing parent
@@ -162,11 +165,13 @@ def test_batched_spec_target_as_its_own_draft_accepts_every_level(setup, tree):
             layer.self_attn.o_proj.weight.mul_(4.0)
     dec = SpeculativeDecoder(target, target, rule="resispec", tree=list(tree))
     bs = BatchedSpeculativeDecoder.from_decoder(dec)
+    bs.prefill_draft = prefill_draft
     rows = [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts[:3]]
     for _ in range(2):
         bs.step()
-    # newcomers: their prompts reach the draft as the left-padded catch-up block of a running batch
+    # newcomers join a running batch: prefilled alone, or their prompts are the pending block of the next step
     rows += [bs.add(p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts[3:]]
+    assert [len(r.pending) for r in rows[3:]] == ([1, 1] if prefill_draft else [len(p) for p in prompts[3:]])
     while bs.rows:
         bs.step()
     for row in rows:

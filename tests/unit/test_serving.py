@@ -532,11 +532,34 @@ def test_rounds_merge_over_the_summed_wall_clock():
         )  # fmt: skip
 
     a, b = run(2.0, 384, 1.0, 1.5), run(4.0, 384, 2.0, None)
+    a.steps = {"draft": [10, 0.5, 40], "ar": [30, 0.6, 120]}
+    b.steps = {"ar": [20, 0.4, 80]}
     m = merge_rounds([a, b])
     # tokens/s over the summed wall-clock, not the mean of the rounds' rates
     assert m.tokens_per_second == 768 / 6.0 and m.num_ok == 16 and m.num_requests == 16
     assert m.latency_p50 == 1.5 and m.latency_p95 == 3.0 and m.server_tau == 1.5 and m.label == "x"
+    # the batch steps are summed: shares and costs per token over both rounds
+    assert m.steps == {"draft": [10, 0.5, 40], "ar": [50, 1.0, 200]}
+    assert m.drafted_share == 10 / 60 and m.draft_ms_per_token == 12.5 and m.ar_ms_per_token == 5.0
     assert merge_rounds([a]) is a
+    assert b.drafted_share == 0.0 and b.draft_ms_per_token is None
+    assert run(1.0, 8, 1.0, None).drafted_share is None  # no batch steps counted (a peer, a stream server)
+
+
+def test_metrics_scrape_counts_the_batch_steps_by_mode():
+    from resispec.serving.loadtest import _scrape, _step_counts
+    from resispec.serving.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    before = _scrape(m.render().decode())
+    m.observe_step("draft", 0.03, 5)
+    m.observe_step("draft", 0.05, 7)
+    m.observe_step("ar", 0.01, 4)
+    after = _scrape(m.render().decode())
+    counts = _step_counts(before, after)
+    assert counts["draft"][0] == 2 and counts["draft"][2] == 12 and counts["ar"] == [1, 0.01, 4]
+    assert abs(counts["draft"][1] - 0.08) < 1e-9
+    assert _step_counts(after, after) == {}
 
 
 def test_request_lengths_vary_by_the_range_ratio_the_same_on_every_server():
