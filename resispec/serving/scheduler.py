@@ -21,8 +21,8 @@ goes on drafting only while below AGAINST_PLAN_KEEP. Every pure step at every ba
 a decision is not taken on a handful of steps: the design before compared adjacent steps of the two modes per
 batch-size bucket, and in a 32-request sweep a bucket decided on 1-3 such pairs. Until both modes have MIN_SAMPLES
 steps the planner's plan decides (drafting unless it planned none at that batch size); to measure, the preferred
-mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready and every EXPLORE_EVERY-th
-step after (4x less often while the ratio is beyond CLEAR_MARGIN, or while the model and the plan agree that
+mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready (from a batch size's first
+step) and after every EXPLORE_EVERY steps at that batch size once it is (4x less often while the ratio is beyond CLEAR_MARGIN, or while the model and the plan agree that
 speculation does not pay: at 16 rows on the tiny world the probes were most of the 7-8% of steps that drafted).
 A drafting step right after steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per
 batch-size bucket the measured medians per mode, the model's ratio at the bucket's size and the share of steps that
@@ -465,13 +465,16 @@ class Scheduler:
         if left:
             self._probing[size] = left - 1
             return not preferred
-        if ratio is None:
-            period = WARMUP_EVERY
+        if ratio is None:  # from a batch size's first step: the model needs steps of both modes
+            due = steps % WARMUP_EVERY == 1
         else:  # a clear answer is re-checked less often (a drafting probe can cost 2-3 AR steps): a ratio beyond
-            # CLEAR_MARGIN, or the model and the plan agreeing that speculation does not pay at this batch size
+            # CLEAR_MARGIN, or the model and the plan agreeing that speculation does not pay at this batch size.
+            # Not at the size's first step: the model already answers there, and a drafting probe in a batch that
+            # has just filled up desynchronises rows that would have finished together (at 16 clients of equal
+            # requests, AR steps then ran with 14.8 rows on average instead of 16)
             clear = max(ratio, 1 / ratio) > CLEAR_MARGIN or (against_plan and not preferred)
-            period = EXPLORE_EVERY * (4 if clear else 1)
-        if steps % period == 1:  # the other mode, from the next step
+            due = steps % (EXPLORE_EVERY * (4 if clear else 1)) == 0
+        if due:  # the other mode, from the next step
             self._probing[size] = PROBE_STEPS
         return preferred
 

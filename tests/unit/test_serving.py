@@ -608,8 +608,8 @@ def test_step_cost_model_fits_a_line_in_the_rows():
 
 def test_adaptive_policy_decides_by_the_cost_model():
     """The plan decides until both modes have MIN_SAMPLES pure steps (the other mode probed every WARMUP_EVERY-th
-    step); then
-    the model's ratio at the CURRENT row count decides, and the other mode is probed every EXPLORE_EVERY steps."""
+    step, from the first); then the model's ratio at the CURRENT row count decides, and the other mode is probed
+    after every EXPLORE_EVERY steps at a batch size."""
     from types import SimpleNamespace
 
     import pytest
@@ -669,25 +669,27 @@ def test_adaptive_policy_decides_by_the_cost_model():
         sched.predicted_ratio = lambda rows, greedy=False: 0.93
         assert sched._choose(2) is False
         del sched.predicted_ratio
-        # every EXPLORE_EVERY-th step at a batch size, PROBE_STEPS of the other mode
-        sched.step_counts[16] = [EXPLORE_EVERY, 0]
+        # after every EXPLORE_EVERY steps at a batch size (not at its first), PROBE_STEPS of the other mode
+        sched.step_counts[16] = [0, 0]
+        assert sched._choose(16) is False and not sched._probing.get(16)
+        sched.step_counts[16] = [EXPLORE_EVERY - 1, 0]
         assert [sched._choose(16) for _ in range(PROBE_STEPS + 2)] == [False] + [True] * PROBE_STEPS + [False]
         sched._probing.clear()  # (no step ran: the count stayed, and the last call started another probe)
         sched.predicted_ratio = lambda rows, greedy=False: 2.0  # a clear answer: re-checked 4x less often
-        sched.step_counts[16] = [EXPLORE_EVERY, 0]
+        sched.step_counts[16] = [EXPLORE_EVERY - 1, 0]
         assert [sched._choose(16) for _ in range(2)] == [False, False]
-        sched.step_counts[16] = [4 * EXPLORE_EVERY, 0]
+        sched.step_counts[16] = [4 * EXPLORE_EVERY - 1, 0]
         assert [sched._choose(16) for _ in range(2)] == [False, True]
         sched._probing.clear()
         # where the plan says AR, a model that agrees (0.9: not below AGAINST_PLAN_MARGIN) is a clear answer too
         sched.predicted_ratio = lambda rows, greedy=False: 0.9
-        for count, probes in ((EXPLORE_EVERY, False), (4 * EXPLORE_EVERY, True)):
+        for count, probes in ((EXPLORE_EVERY - 1, False), (4 * EXPLORE_EVERY - 1, True)):
             sched.step_counts[2] = [count, 0]
             assert [sched._choose(2) for _ in range(2)] == [False, probes]
             sched._probing.clear()
         # where the plan drafts, 0.9 is re-checked as usual
         sched.predicted_ratio = lambda rows, greedy=False: 0.9
-        sched.step_counts[4] = [EXPLORE_EVERY, 0]
+        sched.step_counts[4] = [EXPLORE_EVERY - 1, 0]
         assert [sched._choose(4) for _ in range(2)] == [True, False]
     finally:
         sched.close()
