@@ -338,6 +338,22 @@ def measure_batch_overhead(
 
 
 @torch.inference_mode()
+def node_logits(
+    target: torch.nn.Module, draft: torch.nn.Module, sequences: Sequence[Sequence[int]], start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and draft logits [N, V] (the pair's shared vocabulary, float32) at the positions >= `start` of each
+    sequence: the nodes a calibration scores."""
+    dev = next(target.parameters()).device
+    vocab = min(target.config.vocab_size, draft.config.vocab_size)
+    ps, qs = [], []
+    for seq in sequences:
+        ids = torch.tensor([list(seq)], device=dev)
+        ps.append(target(input_ids=ids).logits[0, start - 1 : -1, :vocab].float())
+        qs.append(draft(input_ids=ids).logits[0, start - 1 : -1, :vocab].float())
+    return torch.cat(ps), torch.cat(qs)
+
+
+@torch.inference_mode()
 def calibrate_alpha(
     target: torch.nn.Module,
     draft: torch.nn.Module,
@@ -352,16 +368,7 @@ def calibrate_alpha(
     """Mean per-node acceptance alpha(n), n = 1..max_draws, of `rule` under `settings` (temperature/top-k/top-p)
     at the positions >= `start` of each sequence (prompt + the target's own continuation). Temperature 0: the
     greedy rule's acceptance, P(argmax p among the top-n of q)."""
-    dev = next(target.parameters()).device
-    ps, qs = [], []
-    for seq in sequences:
-        ids = torch.tensor([list(seq)], device=dev)
-        vocab = min(target.config.vocab_size, draft.config.vocab_size)
-        tl = target(input_ids=ids).logits[0, start - 1 : -1, :vocab].float()
-        dl = draft(input_ids=ids).logits[0, start - 1 : -1, :vocab].float()
-        ps.append(tl)
-        qs.append(dl)
-    t_logits, d_logits = torch.cat(ps), torch.cat(qs)  # [N, V]
+    t_logits, d_logits = node_logits(target, draft, sequences, start)
     out = {}
     if is_greedy(settings.get("temperature", 1.0)):
         best = t_logits.argmax(-1, keepdim=True)  # [N, 1]
@@ -417,9 +424,17 @@ def plan_tree(
     return best
 
 
-def _verify_probe(vocab: int, rows: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
-    """Fixed softmax rows p, q [rows, V] (a target and a correlated draft) and a seeded generator on their device: what
-    the verification timings run on (the cost depends on V and the draws, not on the values)."""
+def _verify_probe(
+    vocab: int, rows: int, device, nodes: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """Softmax rows p, q [rows, V] and a seeded generator on their device: what the verification timings run on.
+    `nodes`: real (p, q) rows, e.g. the calibration's (node_logits), cycled to `rows` rows; without them, a random
+    target and a correlated draft. The cost depends on the values too: resispec at 3-4 draws took 1.36-1.40 ms a
+    node inside the tiny world's decoder against 0.95-0.98 ms on the random rows (2 draws: 0.89 and 0.90)."""
+    if nodes is not None:
+        p, q = nodes
+        idx = torch.arange(rows, device=p.device) % p.shape[0]
+        return p[idx].to(device), q[idx].to(device), torch.Generator(device=device).manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(rows, vocab, generator=gen)
     p = torch.softmax(logits, -1).to(device)
@@ -428,16 +443,19 @@ def _verify_probe(vocab: int, rows: int, device) -> tuple[torch.Tensor, torch.Te
 
 
 @torch.no_grad()
-def measure_verify_ms(rule, vocab: int, max_draws: int = 4, reps: int = 15, device="cpu") -> dict[int, float]:
+def measure_verify_ms(
+    rule, vocab: int, max_draws: int = 4, reps: int = 15, device="cpu", nodes=None
+) -> dict[int, float]:
     """Median ms to propose n draws and verify one node of `rule` (a rule object), n = 1..max_draws, on softmax rows
-    of this vocabulary size (the cost depends on V and n, not on the values): the accept walk's cost per node."""
-    p, q, rng = _verify_probe(vocab, 1, device)
+    of this vocabulary size, one row per call (`nodes`: real (p, q) rows to cycle through, see _verify_probe): the
+    accept walk's cost per node."""
+    p, q, rng = _verify_probe(vocab, reps + 2, device, nodes)
     out = {}
     for n in range(1, max_draws + 1):
         times = []
-        for _ in range(reps + 2):
+        for i in range(reps + 2):
             t0 = time.perf_counter()
-            token, _slot = rule.verify(p, rule.propose(q, n, rng), rng)
+            token, _slot = rule.verify(p[i : i + 1], rule.propose(q[i : i + 1], n, rng), rng)
             token.tolist()  # the walk's host sync
             times.append(time.perf_counter() - t0)
         out[n] = 1e3 * statistics.median(times[2:])
@@ -445,10 +463,10 @@ def measure_verify_ms(rule, vocab: int, max_draws: int = 4, reps: int = 15, devi
 
 
 @torch.no_grad()
-def measure_verify_row_ms(rule, vocab: int, rows: int = 4, reps: int = 15, device="cpu") -> float:
+def measure_verify_row_ms(rule, vocab: int, rows: int = 4, reps: int = 15, device="cpu", nodes=None) -> float:
     """Median ms per further node of a one-draw run verified in one call (lean.chain_from): `rows` one-draw
     proposals and one batched verification, less one node's propose-and-verify, over rows - 1."""
-    p, q, rng = _verify_probe(vocab, rows, device)
+    p, q, rng = _verify_probe(vocab, rows, device, nodes)
 
     def run(k: int) -> float:
         t0 = time.perf_counter()
@@ -545,8 +563,13 @@ class Planner:
         if not is_greedy(settings.get("temperature", 1.0)):
             vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
             device = next(draft.parameters()).device
-            cost.verify_ms = measure_verify_ms(rule_obj, vocab, max(alpha), device=device)
-            cost.verify_row_ms = measure_verify_row_ms(rule_obj, vocab, device=device)
+            # timed on the calibration's own nodes (the first prompt's): the cost depends on the distributions
+            t_logits, d_logits = node_logits(
+                self.target, draft, self._sequences(settings)[:1], len(self.prompts[0])
+            )
+            nodes = probs(t_logits, **settings), probs(d_logits, **settings)
+            cost.verify_ms = measure_verify_ms(rule_obj, vocab, max(alpha), device=device, nodes=nodes)
+            cost.verify_row_ms = measure_verify_row_ms(rule_obj, vocab, device=device, nodes=nodes)
         plans = {}
         for b in batch_sizes:
             at_b = self.cost_for(draft, b)

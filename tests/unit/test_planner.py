@@ -24,6 +24,7 @@ from resispec.decoding.planner import (
     measure_verify_ms,
     measure_verify_row_ms,
     monotone,
+    node_logits,
     plan_tree,
 )
 from resispec.decoding.tree import max_tree_nodes
@@ -165,9 +166,24 @@ def test_calibration_greedy_and_sampled(micro_pair):
     assert same_s[1] == pytest.approx(1.0)
 
 
-def test_verify_cost_is_measured_per_draw_count():
+def test_verify_cost_is_measured_per_draw_count(micro_pair):
     ms = measure_verify_ms(build_rule("resispec"), vocab=512, max_draws=3, reps=3)
     assert sorted(ms) == [1, 2, 3] and all(v > 0 for v in ms.values())
+    # on real nodes (the calibration's): each timed call takes the next node's (p, q), cycling
+    target, draft = micro_pair
+    seq = torch.randint(0, 64, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    t_logits, d_logits = node_logits(target, draft, [seq], start=20)
+    assert t_logits.shape == d_logits.shape == (4, 64)
+    nodes = torch.softmax(t_logits, -1), torch.softmax(d_logits, -1)
+    seen = []
+    rule = build_rule("resispec")
+    verify = rule.verify
+    rule.verify = lambda p, proposal, rng: seen.append(p) or verify(p, proposal, rng)
+    ms = measure_verify_ms(rule, vocab=64, max_draws=2, reps=5, nodes=nodes)
+    assert sorted(ms) == [1, 2] and len(seen) == 2 * 7
+    for i, p in enumerate(seen[:7]):
+        assert torch.equal(p, nodes[0][i % 4 : i % 4 + 1])
+    assert measure_verify_row_ms(build_rule("resispec"), vocab=64, reps=3, nodes=nodes) >= 0.0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
