@@ -74,6 +74,8 @@ class BenchConfig:
     # in-process comparison (python -m resispec.serving.loadtest): rounds of the whole sweep, every mode in turn at
     # each level, merged per (mode, level); on a machine whose speed drifts within minutes one round is noise
     rounds: int = 1
+    # in-process comparison: the serving modes to compare (labels of loadtest.serving_modes); empty = all five
+    modes: list[str] = field(default_factory=list)
     # load test: each request carries a seed (bench.seed + i); false sends unseeded requests, as most clients do (our
     # server decodes a seeded request with server.seeded_sampling)
     seeded_requests: bool = True

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from resispec.errors import UserError, exit_on_user_error
 from resispec.serving.config import BenchConfig
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -424,6 +425,19 @@ def serving_modes(max_batch_size: int = 16) -> dict[str, dict]:
     }
 
 
+class UnknownModeError(UserError, ValueError):
+    """bench.modes names a serving mode that does not exist."""
+
+
+def select_modes(names: list[str], max_batch_size: int = 16) -> dict[str, dict]:
+    """The serving modes named in `names` (bench.modes; empty: all of serving_modes), in serving_modes' order."""
+    modes = serving_modes(max_batch_size)
+    unknown = [n for n in names if n not in modes]
+    if unknown:
+        raise UnknownModeError(f"bench.modes: unknown serving mode(s) {unknown}; choose from {list(modes)}")
+    return {k: v for k, v in modes.items() if not names or k in names}
+
+
 def serve_in_thread(app, log_level: str = "warning", timeout: float = 30.0):
     """Serve `app` with uvicorn in a daemon thread on a free localhost port -> (base URL, uvicorn server, thread),
     once it accepts requests. Stop it with `server.should_exit = True` and `thread.join()`."""
@@ -484,7 +498,7 @@ def compare_in_process(
         plans = off_main_thread(planned_trees, target, draft, decode, calibration, sizes)
     servers: dict[str, tuple] = {}  # label -> (url, uvicorn server, thread, app)
     try:
-        for label, overrides in (modes or serving_modes()).items():
+        for label, overrides in (modes or select_modes(bench.modes)).items():
             overrides = dict(overrides)
             dec = replace(decode, rule=overrides.pop("rule", decode.rule))
             server = ServerConfig(model_name="resispec", log_level="warning", **overrides)
@@ -544,6 +558,7 @@ def compare_in_process(
     return results
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     """python -m resispec.serving.loadtest [hydra overrides of the `bench` config]: the in-process comparison on
     the configured pair (world, target, draft, decode), held-out prompts; the report goes to bench.output_dir."""

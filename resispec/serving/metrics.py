@@ -8,9 +8,10 @@ Spec-decode counters follow vLLM v1's definitions:
 so mean accepted length tau = 1 + num_accepted_tokens / num_drafts.
 
 The batch decode steps of continuous batching, by mode (`draft`: the rows drafted a tree; `ar`: a plain
-autoregressive step), are counted with their seconds and emitted tokens, so a client can read off the share of
-steps that drafted and each mode's seconds per token over any window (two scrapes):
-  batch_steps{mode}, batch_step_seconds{mode}, batch_step_tokens{mode}
+autoregressive step) and batch-size bucket (`batch_size`: 1, 2, 4, 8, ..., the bucket's largest size), are counted
+with their seconds and emitted tokens, so a client can read off where speculation ran and each mode's seconds per
+token over any window (two scrapes):
+  batch_steps{mode,batch_size}, batch_step_seconds{mode,batch_size}, batch_step_tokens{mode,batch_size}
 
 Each app owns its registry, so several apps in one process (tests) never collide.
 """
@@ -139,20 +140,20 @@ class ServerMetrics:
         )
         self.batch_steps = Counter(
             "resispec:batch_steps",
-            "Batch decode steps, by mode: draft (the rows drafted a tree) or ar (no row drafted).",
-            lbl + ["mode"],
+            "Batch decode steps, by mode (draft: the rows drafted a tree; ar: no row drafted) and batch-size bucket.",
+            lbl + ["mode", "batch_size"],
             registry=r,
         )
         self.batch_step_seconds = Counter(
             "resispec:batch_step_seconds",
-            "Seconds in batch decode steps, by mode.",
-            lbl + ["mode"],
+            "Seconds in batch decode steps, by mode and batch-size bucket.",
+            lbl + ["mode", "batch_size"],
             registry=r,
         )
         self.batch_step_tokens = Counter(
             "resispec:batch_step_tokens",
-            "Tokens emitted by batch decode steps, by mode.",
-            lbl + ["mode"],
+            "Tokens emitted by batch decode steps, by mode and batch-size bucket.",
+            lbl + ["mode", "batch_size"],
             registry=r,
         )
         for gauge in (self.running, self.waiting):
@@ -167,12 +168,13 @@ class ServerMetrics:
         for pos, count in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.labels(m, str(pos)).inc(count)
 
-    def observe_step(self, mode: str, seconds: float, tokens: int) -> None:
-        """One batch decode step of `mode` ("draft" | "ar") took `seconds` and emitted `tokens` tokens."""
-        m = self.model_name
-        self.batch_steps.labels(m, mode).inc()
-        self.batch_step_seconds.labels(m, mode).inc(seconds)
-        self.batch_step_tokens.labels(m, mode).inc(tokens)
+    def observe_step(self, mode: str, seconds: float, tokens: int, bucket: int = 1) -> None:
+        """One batch decode step of `mode` ("draft" | "ar") at batch-size bucket `bucket` took `seconds` and emitted
+        `tokens` tokens."""
+        labels = (self.model_name, mode, str(bucket))
+        self.batch_steps.labels(*labels).inc()
+        self.batch_step_seconds.labels(*labels).inc(seconds)
+        self.batch_step_tokens.labels(*labels).inc(tokens)
 
     def observe_chunk(self, dt: float, num_tokens: int) -> None:
         """A decode step emitted `num_tokens` tokens `dt` seconds after the previous one."""

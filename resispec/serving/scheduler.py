@@ -382,9 +382,9 @@ class Scheduler:
     def _batch_step(self) -> list:
         """One step of the batch; on the speculative batch, each row drafts or not as the policy says."""
         if not self.spec_batch:
-            t0 = time.perf_counter()
+            rows, t0 = len(self.batched.rows), time.perf_counter()
             out = self.batched.step()
-            self._count_step(False, time.perf_counter() - t0, len(out))
+            self._count_step(False, time.perf_counter() - t0, len(out), rows)
             return out
         rows_before = len(self.batched.rows)
         size = _bucket(rows_before)
@@ -395,7 +395,7 @@ class Scheduler:
         t0 = time.perf_counter()
         out = self.batched.step(drafting)
         tokens = sum(len(chunk) for _, chunk in out)
-        self._count_step(bool(drafting), time.perf_counter() - t0, tokens)
+        self._count_step(bool(drafting), time.perf_counter() - t0, tokens, rows_before)
         catching_up = self._ar_rows_before and bool(drafting)
         if tokens and not catching_up:  # a pure step measures its mode
             self._pure = (drafting, rows_before, tokens, greedy)  # _cycle measures it
@@ -408,10 +408,10 @@ class Scheduler:
             log.info("adaptive speculation, %d steps: %s", self._steps, self._policy_line())
         return out
 
-    def _count_step(self, drafted: bool, seconds: float, tokens: int) -> None:
+    def _count_step(self, drafted: bool, seconds: float, tokens: int, rows: int) -> None:
         """The batch-step counters of /metrics (every step, pure or not: what the server did, not the model)."""
         if self.metrics is not None:
-            self.metrics.observe_step("draft" if drafted else "ar", seconds, tokens)
+            self.metrics.observe_step("draft" if drafted else "ar", seconds, tokens, _bucket(rows))
 
     def _policy_line(self) -> str:
         """bucket: drafted share of its steps, the model's ratio there (drafting / AR seconds per token)."""

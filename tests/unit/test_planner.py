@@ -16,6 +16,7 @@ from resispec.decoding.planner import (
     BATCH_NODE_GRID,
     NODE_GRID,
     CostModel,
+    ForwardProbe,
     Planner,
     calibrate_alpha,
     candidate_trees,
@@ -184,6 +185,18 @@ def test_verify_cost_is_measured_per_draw_count(micro_pair):
     for i, p in enumerate(seen[:7]):
         assert torch.equal(p, nodes[0][i % 4 : i % 4 + 1])
     assert measure_verify_row_ms(build_rule("resispec"), vocab=64, reps=3, nodes=nodes) >= 0.0
+    # between: one forward of that model before each timed call (as the decoder's walk follows the target's forward)
+    calls = []
+    seconds = ForwardProbe.seconds
+    ForwardProbe.seconds = lambda self, n=1: calls.append(n) or seconds(self, n)
+    try:
+        measure_verify_ms(build_rule("resispec"), vocab=64, max_draws=2, reps=3, nodes=nodes, between=target)
+        assert calls == [1] * 2 * (3 + 2)
+        calls.clear()
+        measure_verify_row_ms(build_rule("resispec"), vocab=64, reps=3, nodes=nodes, between=target)
+        assert calls == [1] * 2 * (3 + 2)
+    finally:
+        ForwardProbe.seconds = seconds
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -552,10 +552,12 @@ def test_metrics_scrape_counts_the_batch_steps_by_mode():
 
     m = ServerMetrics("m")
     before = _scrape(m.render().decode())
-    m.observe_step("draft", 0.03, 5)
-    m.observe_step("draft", 0.05, 7)
-    m.observe_step("ar", 0.01, 4)
-    after = _scrape(m.render().decode())
+    m.observe_step("draft", 0.03, 5, 2)
+    m.observe_step("draft", 0.05, 7, 4)
+    m.observe_step("ar", 0.01, 4, 4)
+    text = m.render().decode()
+    assert 'resispec:batch_steps_total{batch_size="4",mode="draft",model_name="m"} 1.0' in text
+    after = _scrape(text)  # summed over the batch sizes
     counts = _step_counts(before, after)
     assert counts["draft"][0] == 2 and counts["draft"][2] == 12 and counts["ar"] == [1, 0.01, 4]
     assert abs(counts["draft"][1] - 0.08) < 1e-9
@@ -780,3 +782,14 @@ def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
         assert len(sched.models[((3,), False)]) == 2 and sched.models[((3,), False)].steps[-1][1] < 0.1
     finally:
         sched.close()
+
+
+def test_in_process_modes_are_chosen_by_name():
+    import pytest
+
+    from resispec.serving.loadtest import UnknownModeError, select_modes, serving_modes
+
+    assert select_modes([]) == serving_modes()
+    assert list(select_modes(["batched adaptive", "batched AR"])) == ["batched AR", "batched adaptive"]
+    with pytest.raises(UnknownModeError, match="batched ar"):
+        select_modes(["batched ar"])
