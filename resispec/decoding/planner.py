@@ -56,6 +56,11 @@ class CostModel:
     # ms per further node of a one-draw run that the walk verifies in one rule call (lean.chain_from): proposing it
     # and its row of the batched verification; 0 = each such node costs verify_ms[1] (no batching)
     verify_row_ms: float = 0.0
+    # ms more than verify_ms[n] for the step's FIRST rule call (the root's, n = its draws), beyond what a one-draw
+    # first call pays (that part is in overhead_ms): it follows the target's forward, which has evicted the CPU
+    # caches. Resispec on the tiny world: 1.36-1.40 ms a 3-4 draw root node in the decoder, 0.95-1.06 timed back to
+    # back, 0.89-0.90 for a 2-draw node later in the same walk
+    root_verify_extra_ms: dict[int, float] = field(default_factory=dict)
 
     @staticmethod
     def _at(table: dict[int, float], n: int) -> float:
@@ -90,8 +95,8 @@ class CostModel:
         """Expected ms of the accept walk: depth d's node is verified with probability prod_{j < d} alpha(b_j),
         except that, once verify_row_ms is measured, a run of one-draw depths (a chain, or a tree's tail; a leaf
         is not verified) costs one call when the walk reaches its first node (lean.chain_from): verify_ms[1], plus
-        verify_row_ms per further node."""
-        total, reach, depth = 0.0, 1.0, 0
+        verify_row_ms per further node; the root's call costs root_verify_extra_ms more."""
+        total, reach, depth = (self.root_verify_extra_ms.get(tree[0], 0.0) if tree else 0.0), 1.0, 0
         while depth < len(tree):
             b, run = tree[depth], 1
             while self.verify_row_ms > 0 and b == 1 and depth + run < len(tree) and tree[depth + run] == 1:
@@ -579,16 +584,20 @@ class Planner:
                 self.target, draft, self._sequences(settings)[:1], len(self.prompts[0])
             )
             nodes = probs(t_logits, **settings), probs(d_logits, **settings)
-            timing = dict(
-                device=device, nodes=nodes, between=self.target
-            )  # after a target forward, as in a step
-            cost.verify_ms = measure_verify_ms(rule_obj, vocab, max(alpha), **timing)
-            cost.verify_row_ms = measure_verify_row_ms(rule_obj, vocab, **timing)
+            cost.verify_ms = measure_verify_ms(rule_obj, vocab, max(alpha), device=device, nodes=nodes)
+            cost.verify_row_ms = measure_verify_row_ms(rule_obj, vocab, device=device, nodes=nodes)
+            # the first call of a step follows the target's forward: timed that way, its extra over a one-draw one
+            cold = measure_verify_ms(
+                rule_obj, vocab, max(alpha), device=device, nodes=nodes, between=self.target
+            )
+            base = cold[1] - cost.verify_ms[1]
+            cost.root_verify_extra_ms = {n: max(cold[n] - cost.verify_ms[n] - base, 0.0) for n in cold}
         plans = {}
         for b in batch_sizes:
             at_b = self.cost_for(draft, b)
             at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
             at_b.verify_row_ms = cost.verify_row_ms * b
+            at_b.root_verify_extra_ms = dict(cost.root_verify_extra_ms)  # once a step (the first row's call)
             # per step and per node: timed with the one-node chain and a wider tree
             measure = measure_overhead if b == 1 else functools.partial(measure_batch_overhead, rows=b)
             small, wide = (

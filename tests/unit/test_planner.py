@@ -123,6 +123,10 @@ def test_verify_cost_charges_a_one_draw_run_as_one_call():
     assert cost.verify_cost([1, 1, 1, 1], alpha) == pytest.approx(1.0 + 3 * 0.25)
     # [2, 1, 2]: depth 2 alone (its child draws twice), then depth 3's two draws
     assert cost.verify_cost([2, 1, 2], alpha) == pytest.approx(2.0 + 0.8 * 1.0 + 0.8 * 0.5 * 2.0)
+    # the step's first call (the root's, always made) pays its extra once, by the root's draws
+    cost.root_verify_extra_ms = {1: 0.0, 2: 0.3}
+    assert cost.verify_cost([2, 1, 2], alpha) == pytest.approx(0.3 + 2.0 + 0.8 * 1.0 + 0.8 * 0.5 * 2.0)
+    assert cost.verify_cost([1, 1, 1, 1], alpha) == pytest.approx(1.0 + 3 * 0.25)
 
 
 def test_one_draw_run_cost_is_measured():
