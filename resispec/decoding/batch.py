@@ -392,9 +392,8 @@ class BatchedSpeculativeDecoder:
         self._t_dtype, self._d_dtype = target.dtype, draft.dtype  # read once: .dtype walks the parameters
         self.rows: list[BatchRow] = []
         self.tcache, self.dcache = _HoleyCache(target), _HoleyCache(draft)
-        self.prefill_draft = (
-            True  # prefill the draft when a row joins (_merge); off for a batch that never drafts
-        )
+        # prefill the draft when a row joins (_merge); off for a batch that never drafts
+        self.prefill_draft = True
 
     @classmethod
     def from_decoder(cls, decoder) -> BatchedSpeculativeDecoder:

@@ -434,8 +434,8 @@ def _verify_probe(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
     """Softmax rows p, q [rows, V] and a seeded generator on their device: what the verification timings run on.
     `nodes`: real (p, q) rows, e.g. the calibration's (node_logits), cycled to `rows` rows; without them, a random
-    target and a correlated draft. The cost depends on the values too: resispec at 3-4 draws took 1.36-1.40 ms a
-    node inside the tiny world's decoder against 0.95-0.98 ms on the random rows (2 draws: 0.89 and 0.90)."""
+    target and a correlated draft (on the tiny world the two cost about the same: resispec at 3 draws 1.06 against
+    0.98 ms)."""
     if nodes is not None:
         p, q = nodes
         idx = torch.arange(rows, device=p.device) % p.shape[0]
@@ -454,8 +454,9 @@ def measure_verify_ms(
     """Median ms to propose n draws and verify one node of `rule` (a rule object), n = 1..max_draws, on softmax rows
     of this vocabulary size, one row per call (`nodes`: real (p, q) rows to cycle through, see _verify_probe): the
     accept walk's cost per node. between: a model whose one-token forward runs (untimed) before each timed call, as
-    the decoder's step runs the target before its walk: timed back to back, resispec's 3-4 draw verification took
-    0.95-1.06 ms on the tiny world, right after a target forward (the decoder's first rule call of a step) 1.36-1.40."""
+    the decoder's step runs the target before its walk's first call: on the tiny world resispec's 3-4 draw
+    verification took 0.95-1.06 ms back to back, 1.45-1.53 ms so timed (1.36-1.40 ms as a root node in the
+    decoder), see CostModel.root_verify_extra_ms."""
     p, q, rng = _verify_probe(vocab, reps + 2, device, nodes)
     other = None if between is None else ForwardProbe(between)
     out = {}

@@ -22,8 +22,9 @@ a decision is not taken on a handful of steps: the design before compared adjace
 batch-size bucket, and in a 32-request sweep a bucket decided on 1-3 such pairs. Until both modes have MIN_SAMPLES
 steps the planner's plan decides (drafting unless it planned none at that batch size); to measure, the preferred
 mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready (from a batch size's first
-step) and after every EXPLORE_EVERY steps at that batch size once it is (4x less often while the ratio is beyond CLEAR_MARGIN, or while the model and the plan agree that
-speculation does not pay: at 16 rows on the tiny world the probes were most of the 7-8% of steps that drafted).
+step) and after every EXPLORE_EVERY steps at that batch size once it is (4x less often while the ratio is beyond
+CLEAR_MARGIN, or while the model and the plan agree that speculation does not pay: at 16 rows on the tiny world the
+probes were most of the 7-8% of steps that drafted).
 A drafting step right after steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per
 batch-size bucket the measured medians per mode, the model's ratio at the bucket's size and the share of steps that
 drafted; an INFO line every LOG_EVERY steps says the same. Under decode.tree=auto the plan has two halves: a batch of greedy rows drafts the tree planned at
@@ -469,9 +470,8 @@ class Scheduler:
             due = steps % WARMUP_EVERY == 1
         else:  # a clear answer is re-checked less often (a drafting probe can cost 2-3 AR steps): a ratio beyond
             # CLEAR_MARGIN, or the model and the plan agreeing that speculation does not pay at this batch size.
-            # Not at the size's first step: the model already answers there, and a drafting probe in a batch that
-            # has just filled up desynchronises rows that would have finished together (at 16 clients of equal
-            # requests, AR steps then ran with 14.8 rows on average instead of 16)
+            # Not at the size's first step: the model already answers there, and a probe there lands on a batch
+            # that has just filled up (a drafting probe staggers rows that would have finished together)
             clear = max(ratio, 1 / ratio) > CLEAR_MARGIN or (against_plan and not preferred)
             due = steps % (EXPLORE_EVERY * (4 if clear else 1)) == 0
         if due:  # the other mode, from the next step
