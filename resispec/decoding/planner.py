@@ -474,18 +474,13 @@ def measure_verify_ms(
 
 
 @torch.no_grad()
-def measure_verify_row_ms(
-    rule, vocab: int, rows: int = 4, reps: int = 15, device="cpu", nodes=None, between=None
-) -> float:
+def measure_verify_row_ms(rule, vocab: int, rows: int = 4, reps: int = 15, device="cpu", nodes=None) -> float:
     """Median ms per further node of a one-draw run verified in one call (lean.chain_from): `rows` one-draw
-    proposals and one batched verification, less one node's propose-and-verify, over rows - 1. between: as
-    measure_verify_ms."""
+    proposals and one batched verification, less one node's propose-and-verify, over rows - 1. Timed back to back:
+    the run is never a step's first call once its root has been verified (CostModel.root_verify_extra_ms)."""
     p, q, rng = _verify_probe(vocab, rows, device, nodes)
-    other = None if between is None else ForwardProbe(between)
 
     def run(k: int) -> float:
-        if other is not None:
-            other.seconds(1)
         t0 = time.perf_counter()
         parts = [rule.propose(q[i : i + 1], 1, rng) for i in range(k)]
         proposal = parts[0] if k == 1 else type(parts[0]).cat(parts)

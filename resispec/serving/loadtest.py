@@ -61,7 +61,7 @@ class LoadTestResult:
 
     def ms_per_token(self, mode: str) -> float | None:
         """Milliseconds per emitted token of the server's `mode` steps in this test."""
-        steps, seconds, tokens = self.steps.get(mode, (0, 0.0, 0))
+        _, seconds, tokens = self.steps.get(mode, (0, 0.0, 0))
         return 1e3 * seconds / tokens if tokens else None
 
     @property
