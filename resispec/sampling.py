@@ -74,18 +74,47 @@ def log_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: f
     return filter_logits(logits, top_k, top_p).log_softmax(dim=-1)
 
 
-def sample_rows(weights: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
+def sample_rows(
+    weights: Tensor, k: int, generator: torch.Generator | None = None, u: Tensor | None = None
+) -> Tensor:
     """k i.i.d. tokens per row from unnormalised weights [B, V] (each row with positive total) -> [B, k].
 
     Inverse CDF: one cumsum and a binary search, 10x faster than torch.multinomial for one row of 8192 on CPU
     (20 against 190 us; the decoder samples a few tokens per step). A zero-weight token has an empty CDF interval,
-    so it is never drawn; the clamp to the last positive token only catches u rounding up to the total."""
+    so it is never drawn; the clamp to the last positive token only catches u rounding up to the total.
+    u: the uniforms [B, k] (weights' dtype), drawn by the caller (`row_uniforms`: each row from its own generator,
+    as if it were sampled alone); default drawn here from `generator`."""
     cdf = torch.cumsum(weights, -1)  # [B, V]
     total = cdf[:, -1:].contiguous()  # [B, 1]
-    u = torch.rand((weights.shape[0], k), generator=generator, device=weights.device, dtype=weights.dtype)
+    if u is None:
+        u = torch.rand((weights.shape[0], k), generator=generator, device=weights.device, dtype=weights.dtype)
     idx = torch.searchsorted(cdf, u * total, right=True)
     last = torch.searchsorted(cdf, total, right=False)  # first index reaching the total: a positive weight
     return torch.minimum(idx, last)
+
+
+def row_uniforms(generators: list, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """U[0, 1) for a batch of independent rows, each row's block `shape` drawn from its own generator (None: the
+    global one) -> [len(generators) * shape[0], *shape[1:]] in `like`'s dtype and device. Row i's block holds the
+    numbers torch.rand(shape, generator=generators[i]) gives it alone: a batched computation fed these draws is
+    the per-row computation, the same tokens for the same seeds (rows are computed independently, bitwise)."""
+    return torch.cat(
+        [torch.rand(shape, generator=g, device=like.device, dtype=like.dtype) for g in generators]
+    )
+
+
+def probs_by_settings(logits: Tensor, settings: list[dict]) -> Tensor:
+    """`probs` of logits [N, ..., V] where row i has its own sampling settings (settings[i]: temperature, top_k,
+    top_p) -> float32 [N, ..., V]; one call per distinct setting (a batch's rows mostly share one)."""
+    keys = [tuple(sorted(s.items())) for s in settings]
+    if len(set(keys)) == 1:
+        return probs(logits.reshape(-1, logits.shape[-1]), **settings[0]).reshape(logits.shape)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for key in dict.fromkeys(keys):
+        rows = [i for i, k in enumerate(keys) if k == key]
+        part = logits[rows]
+        out[rows] = probs(part.reshape(-1, part.shape[-1]), **dict(key)).reshape(part.shape)
+    return out
 
 
 def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:

@@ -42,10 +42,10 @@ from resispec.decoding.kv_cache import (
     select_cache_rows,
     trim_cache_left,
 )
-from resispec.decoding.lean import propose_at, row_rule, walk_greedy, walk_sampled
+from resispec.decoding.lean import propose_at, row_rule, walk_greedy, walk_one_draw_chains, walk_sampled
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
-from resispec.sampling import is_greedy, sample_at
+from resispec.sampling import SeedStream, is_greedy, probs_by_settings, row_uniforms, sample_at, sample_rows
 from resispec.sampling import probs as process_logits
 
 
@@ -99,10 +99,17 @@ def _slot_order(old: list[BatchRow], keep: list[BatchRow], device) -> tuple[list
 
 def _next_tokens(rows: list[BatchRow], logits: torch.Tensor) -> list[int]:
     """Each row's next token from its logits [B, V] at the position after its last one: argmax for greedy rows,
-    one draw from the sampling transform with the row's own generator (sample_at) for the others. One host sync."""
+    one draw from the sampling transform with the row's own generator (sample_at) for the others: batched, each
+    row's uniform from its own generator (row_uniforms: the token it draws alone), a SeedStream row by its own
+    position-keyed draw. One host sync."""
     tokens = logits.argmax(dim=-1)  # [B]; sampled rows overwrite theirs
+    batched = [b for b, r in enumerate(rows) if not r.greedy and not isinstance(r.generator, SeedStream)]
+    if batched:
+        p = probs_by_settings(logits[batched], [rows[b].settings for b in batched])
+        u = row_uniforms([rows[b].generator for b in batched], (1, 1), p)
+        tokens[batched] = sample_rows(p, 1, None, u)[:, 0]
     for b, row in enumerate(rows):
-        if not row.greedy:
+        if not row.greedy and isinstance(row.generator, SeedStream):
             p = process_logits(logits[b : b + 1], **row.settings)
             tokens[b] = sample_at(p, row.generator, row.length + 1)[0]
     return tokens.tolist()
@@ -495,6 +502,15 @@ class BatchedSpeculativeDecoder:
         if not draft:
             return self._ar_step(rows, flags, t0)
         trees = [DraftTree(r.root, max_tree_nodes(sh)) for r, sh in zip(rows, shapes, strict=True)]
+        # rows whose draws and walk are batched (walk_one_draw_chains): sampled and unseeded, drafting a chain of
+        # one-draw nodes with a rule whose one-draw step is standard speculative sampling, or not drafting
+        chain = [
+            not g
+            and not isinstance(r.generator, SeedStream)
+            and (lim == 0 or (getattr(rule, "one_draw_is_standard", False) and set(sh[:lim]) == {1}))
+            for r, g, rule, sh, lim in zip(rows, greedy_tk, rules, shapes, lims, strict=True)
+        ]
+        chain_q: list[list[torch.Tensor]] = [[] for _ in rows]  # those rows' q [1, V] per depth
         proposals: list[list] = [[] for _ in rows]
         fed = [0] * nb  # deepest tree level each row's draft has processed
         node_col: list[dict[int, int]] = [{} for _ in rows]  # tree node -> draft cache column, this step
@@ -529,22 +545,34 @@ class BatchedSpeculativeDecoder:
                 logits_to_keep=1,
             )
             self.dcache.append(new_valid)
-            qs = [self._probs(logits[b, -1:], q_set[b]) for b in range(nb)]
+            q_all = probs_by_settings(logits[:, -1, : self.vocab_size], q_set)  # [B, V]
+            qs = [q_all[b : b + 1] for b in range(nb)]
             growing = [lim > 0 for lim in lims]
             for depth in range(1, max(lims) + 1):
+                # the chain rows' draws at this depth at once, each row's uniform from its own generator
+                draw = [b for b in range(nb) if chain[b] and growing[b] and depth <= lims[b]]
+                drawn = {}
+                if draw:
+                    u = row_uniforms([rows[b].generator for b in draw], (1, 1), qs[draw[0]])
+                    tokens = sample_rows(torch.cat([qs[b] for b in draw]), 1, None, u)[:, 0].tolist()
+                    drawn = dict(zip(draw, tokens, strict=True))
                 feed = []  # (row, level) pairs the draft processes at this depth
                 for b, r in enumerate(rows):
                     if not growing[b] or depth > lims[b]:
                         growing[b] = False
                         continue
-                    proposal = propose_at(
-                        rules[b], qs[b], shapes[b][depth - 1], r.generator, r.length + depth
-                    )
-                    level = trees[b].add_level(proposal.token_ids.tolist())
+                    if b in drawn:
+                        level = trees[b].add_level([[drawn[b]]])
+                        chain_q[b].append(qs[b])
+                    else:
+                        proposal = propose_at(
+                            rules[b], qs[b], shapes[b][depth - 1], r.generator, r.length + depth
+                        )
+                        level = trees[b].add_level(proposal.token_ids.tolist())
+                        proposals[b].append(proposal)
                     if len(level) == 0:
                         growing[b] = False
                         continue
-                    proposals[b].append(proposal)
                     if depth < lims[b]:
                         feed.append((b, level))
                     else:
@@ -570,10 +598,14 @@ class BatchedSpeculativeDecoder:
                     self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self._d_dtype)
                 )
                 self.dcache.append(torch.zeros(nb, width, dtype=torch.bool, device=dev))
-                for b, level in feed:
-                    for i, node in enumerate(level):
-                        node_col[b][node] = t_old + i
-                    qs[b] = self._probs(logits[b, : len(level)], q_set[b])
+                fed_rows = [b for b, _ in feed]
+                q_fed = probs_by_settings(
+                    logits[fed_rows, :, : self.vocab_size], [q_set[b] for b in fed_rows]
+                )
+                for i, (b, level) in enumerate(feed):
+                    for j, node in enumerate(level):
+                        node_col[b][node] = t_old + j
+                    qs[b] = q_fed[i, : len(level)]
                     fed[b] = depth
         t1 = time.perf_counter()
 
@@ -601,11 +633,26 @@ class BatchedSpeculativeDecoder:
         # temperature-0 rows: argmax p at every node of every row, one op and one host sync for the batch
         best = logits[:, :, : self.vocab_size].argmax(-1).tolist() if any(greedy_tk) else None
 
+        # the chain rows' walks, by chain depth, in batched ops (walk_one_draw_chains)
+        walks: dict[int, tuple[list[int], list[int]]] = {}
+        by_depth: dict[int, list[int]] = {}
+        for b in range(nb):
+            if chain[b]:
+                by_depth.setdefault(trees[b].depth, []).append(b)
+        for d, idx in by_depth.items():
+            p = probs_by_settings(logits[idx, : d + 1, : self.vocab_size], [rows[b].settings for b in idx])
+            drafted = torch.tensor([trees[b].tokens[1 : d + 1] for b in idx], device=dev)  # node d: depth d
+            q = torch.stack([torch.cat(chain_q[b]) for b in idx]) if d else None
+            walked = walk_one_draw_chains(p, drafted, q, [rows[b].generator for b in idx])
+            walks.update(zip(idx, walked, strict=True))
+
         # ---- accept per row, then the bookkeeping that compacts both caches
         t_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
         out = []
         for b, (r, tree) in enumerate(zip(rows, trees, strict=True)):
-            if greedy_tk[b]:  # temperature 0: argmax p at every node, the walk of the lean step
+            if b in walks:
+                run, accepted = walks[b]
+            elif greedy_tk[b]:  # temperature 0: argmax p at every node, the walk of the lean step
                 run, accepted = walk_greedy(tree, best[b][: tree.num_nodes])
             else:  # the lean step's walk (same randomness as a row decoded alone)
 

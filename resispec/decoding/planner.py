@@ -61,6 +61,10 @@ class CostModel:
     # caches. Resispec on the tiny world: 1.36-1.40 ms a 3-4 draw root node in the decoder, 0.95-1.06 timed back to
     # back, 0.89-0.90 for a 2-draw node later in the same walk
     root_verify_extra_ms: dict[int, float] = field(default_factory=dict)
+    # a chain's accept walk is part of overhead_ms (measured, not predicted): the batched decoder verifies the
+    # chains of all rows at once (lean.walk_one_draw_chains, rules with one_draw_is_standard), a few batched ops
+    # whatever the rows, where verify_ms times a row's call
+    chain_walk_in_overhead: bool = False
 
     @staticmethod
     def _at(table: dict[int, float], n: int) -> float:
@@ -95,7 +99,10 @@ class CostModel:
         """Expected ms of the accept walk: depth d's node is verified with probability prod_{j < d} alpha(b_j),
         except that, once verify_row_ms is measured, a run of one-draw depths (a chain, or a tree's tail; a leaf
         is not verified) costs one call when the walk reaches its first node (lean.chain_from): verify_ms[1], plus
-        verify_row_ms per further node; the root's call costs root_verify_extra_ms more."""
+        verify_row_ms per further node; the root's call costs root_verify_extra_ms more. 0 for a chain when
+        chain_walk_in_overhead."""
+        if self.chain_walk_in_overhead and set(tree) <= {1}:
+            return 0.0
         total, reach, depth = (self.root_verify_extra_ms.get(tree[0], 0.0) if tree else 0.0), 1.0, 0
         while depth < len(tree):
             b, run = tree[depth], 1
@@ -594,6 +601,7 @@ class Planner:
             at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
             at_b.verify_row_ms = cost.verify_row_ms * b
             at_b.root_verify_extra_ms = dict(cost.root_verify_extra_ms)  # once a step (the first row's call)
+            at_b.chain_walk_in_overhead = b > 1 and getattr(rule_obj, "one_draw_is_standard", False)
             # per step and per node: timed with the one-node chain and a wider tree
             measure = measure_overhead if b == 1 else functools.partial(measure_batch_overhead, rows=b)
             small, wide = (

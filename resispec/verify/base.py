@@ -162,13 +162,15 @@ def gumbel_noise(like: Tensor, generator: torch.Generator | None) -> Tensor:
     return standard_gumbel(tuple(like.shape), generator, like.device, like.dtype)
 
 
-def sample_weights(weights: Tensor, generator: torch.Generator | None, fallback: Tensor) -> Tensor:
-    """One token per row from unnormalised weights [B, V] -> [B].
+def sample_weights(
+    weights: Tensor, generator: torch.Generator | None, fallback: Tensor, u: Tensor | None = None
+) -> Tensor:
+    """One token per row from unnormalised weights [B, V] -> [B] (u: the uniforms [B, 1], else drawn here).
 
     A row whose weights are all 0 can only be reached through float rounding (it would have been accepted with
     probability 1 in exact arithmetic); it samples from `fallback` [B, V] instead of failing."""
     total = weights.sum(-1, keepdim=True)  # [B, 1]
-    return sample_rows(torch.where(total > 0, weights, fallback), 1, generator)[:, 0]
+    return sample_rows(torch.where(total > 0, weights, fallback), 1, generator, u)[:, 0]
 
 
 def draw_iid(q: Tensor, n: int, generator: torch.Generator | None) -> Tensor:

@@ -308,23 +308,29 @@ def verify_sequential(
 
 @torch.no_grad()
 def verify_one_draw(
-    p: Tensor, proposal: Proposal, generator: torch.Generator | None
+    p: Tensor,
+    proposal: Proposal,
+    generator: torch.Generator | None,
+    uniforms: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The sequential scheme at ONE draw per row, what every i.i.d. rule's verification is at n = 1 (standard
     speculative sampling): accept the draw x with probability min(1, w / mu_1), w = p(x) / q(x) and mu_1 = sum p,
     else sample m_2 = (p - mu_1 q)+. The same law as verify_sequential with greedy_plan(p, q, 1), in a third of its
     torch calls (~12 instead of ~40; on CPU the calls are the cost of one node: 0.22-0.39 against 0.45-0.50 ms at
     V = 8192 on the 2-core machine).
-    A -1 slot (no draw) accepts nothing and samples p. p [B, V], proposal.token_ids [B, 1] -> token [B], slot [B]."""
+    A -1 slot (no draw) accepts nothing and samples p. p [B, V], proposal.token_ids [B, 1] -> token [B], slot [B].
+    uniforms: (the acceptance test's [B, 1], the residual draw's [B, 1]), drawn by the caller in that order (a batch
+    of rows that each verify with their own generator: sampling.row_uniforms); default drawn here."""
     draws = proposal.token_ids[:, 0]  # [B]
     q = proposal.q
     valid = draws >= 0
     ids = draws.clamp_min(0)[:, None]  # [B, 1]
     total = p.sum(-1, keepdim=True)  # mu_1 [B, 1]
     mu_q = torch.where(valid[:, None], total, torch.zeros_like(total))  # mu_1, or 0 where nothing was drawn
+    u_accept, u_residual = uniforms or (uniform((p.shape[0], 1), p, generator), None)
     # u mu_1 < min(mu_1, w)  <=>  u mu_1 q(x) < p(x) (u < 1; a drawn x has q(x) > 0)
-    ok = valid & (uniform((p.shape[0], 1), p, generator) * mu_q * q.gather(-1, ids) < p.gather(-1, ids))[:, 0]
-    fallback = sample_weights((p - mu_q * q).clamp_min(0), generator, p)
+    ok = valid & (u_accept * mu_q * q.gather(-1, ids) < p.gather(-1, ids))[:, 0]
+    fallback = sample_weights((p - mu_q * q).clamp_min(0), generator, p, u_residual)
     token = torch.where(ok, draws, fallback)
     return token, torch.where(valid & (token == draws), 0, -1)
 
@@ -338,6 +344,10 @@ class _IidRule:
     closed_form_draws: int | None = None
     surrogate_draws: int | None = None
     greedy_only = False
+    # at ONE draw per node the rule is standard speculative sampling: propose = draw_iid(q, 1) (one uniform per
+    # node), verify = verify_one_draw. The batched decoder verifies such chains for all rows at once
+    # (resispec.decoding.lean.walk_one_draw_chains)
+    one_draw_is_standard = True
 
     def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
         """n i.i.d. draws from q [B, V] -> Proposal(token_ids [B, n])."""

@@ -215,6 +215,53 @@ def test_batched_spec_seeded_row_equals_alone_whatever_the_neighbours(setup):
     assert row.generated == ref and row.stats.tau > 1.0
 
 
+@pytest.mark.parametrize("tree", [(1,), (1, 1, 1)])
+@pytest.mark.parametrize("rule", ["chain", "rrs", "kseq", "resispec"])
+def test_batched_spec_chain_rows_equal_alone_whatever_the_neighbours(setup, rule, tree):
+    """Sampled rows drafting a chain of one-draw nodes are drafted and verified for the whole batch at once
+    (walk_one_draw_chains); each row still draws its own generator's numbers in the order it does alone, so every
+    such row (own temperature, top-k, top-p; chains cut short by max_new_tokens near the end) gives the tokens of
+    the batch-1 decoder with the same seed, next to a greedy neighbour and a seeded (SeedStream) one that drafts a
+    tree or nothing."""
+    from resispec.sampling import SeedStream
+
+    _, _, prompts = setup
+    dec, bs = _spec(setup, rule=rule, tree=tree)
+    settings = [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=20, top_p=0.9),
+        dict(temperature=1.3, top_p=0.8),
+    ]
+
+    def alone(i, s):
+        gen = torch.Generator().manual_seed(40 + i)
+        out = dec.generate(
+            torch.tensor([prompts[i]]), max_new_tokens=NEW - i, generator=gen, eos_token_id=[], **s
+        )
+        return out.sequences[0, len(prompts[i]) :].tolist()
+
+    rows = [
+        bs.add(
+            prompts[i],
+            max_new_tokens=NEW - i,
+            generator=torch.Generator().manual_seed(40 + i),
+            eos_token_id=[],
+            **s,
+        )
+        for i, s in enumerate(settings)
+    ]
+    bs.add(prompts[3], max_new_tokens=NEW, temperature=0.0, eos_token_id=[])
+    bs.add(prompts[4], max_new_tokens=NEW, temperature=1.0, eos_token_id=[], generator=SeedStream(3))
+    for step in range(10 * NEW):
+        if not bs.rows:
+            break
+        # the observed rows draft the decoder's chain; the seeded neighbour drafts a tree, or nothing
+        bs.step([True if r in rows else (2, 1) if step % 3 else False for r in bs.rows])
+    for i, (row, s) in enumerate(zip(rows, settings, strict=True)):
+        assert row.generated == alone(i, s), (rule, tree, s)
+    assert any(r.stats.tau > 1.0 for r in rows)
+
+
 def test_batched_spec_rows_join_and_leave_with_bounded_cache(setup):
     _, ar, prompts = setup
     _, bs = _spec(setup, tree=(3, 2, 1))

@@ -129,6 +129,20 @@ def test_verify_cost_charges_a_one_draw_run_as_one_call():
     assert cost.verify_cost([1, 1, 1, 1], alpha) == pytest.approx(1.0 + 3 * 0.25)
 
 
+def test_batched_chain_walks_are_measured_as_overhead():
+    """At batch sizes > 1 the batched decoder verifies every row's chain at once (rules whose one draw is standard
+    speculative sampling): the chain's walk is in the measured overhead, a branching tree's still per row."""
+    from resispec.verify import build_rule
+
+    cost = _costs(0.0, verify_ms={1: 1.0, 2: 2.0})
+    cost.chain_walk_in_overhead = True
+    alpha = {1: 0.5, 2: 0.8}
+    assert cost.verify_cost([1, 1, 1], alpha) == 0.0 and cost.verify_cost([1], alpha) == 0.0
+    assert cost.verify_cost([2, 1], alpha) == pytest.approx(2.0 + 0.8 * 1.0)
+    assert all(build_rule(r).one_draw_is_standard for r in ("chain", "rrs", "kseq", "resispec"))
+    assert not any(getattr(build_rule(r), "one_draw_is_standard", False) for r in ("rsd", "gumbel", "hub"))
+
+
 def test_one_draw_run_cost_is_measured():
     ms = measure_verify_row_ms(build_rule("resispec"), vocab=512, reps=3)
     assert ms >= 0.0

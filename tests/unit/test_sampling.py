@@ -118,3 +118,30 @@ def test_standard_gumbel_law():
     assert stats.kstest(g.double().numpy(), stats.gumbel_r.cdf).pvalue > 1e-6
     again = standard_gumbel((200_000,), torch.Generator().manual_seed(0), dtype=torch.float64)
     assert again.dtype == torch.float64 and torch.equal(again.float(), g)
+
+
+def test_rows_sampled_together_equal_rows_sampled_alone():
+    """The batched decoder samples many rows at once (probs_by_settings, row_uniforms, sample_rows with given
+    uniforms): every row gets, bit for bit, the probabilities and the token it gets alone with its own settings and
+    generator."""
+    from resispec.sampling import probs_by_settings, row_uniforms, sample_rows
+
+    logits = torch.randn(5, 3, 300, generator=torch.Generator().manual_seed(0)) * 3
+    settings = [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=20, top_p=0.9),
+        dict(temperature=1.0),
+        dict(temperature=0.0),
+        dict(temperature=1.3, top_p=0.5),
+    ]
+    together = probs_by_settings(logits, settings)
+    for i, s in enumerate(settings):
+        assert torch.equal(together[i], probs(logits[i], **s))
+    flat = together[:, 0]
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(5)]
+    u = row_uniforms(gens, (1, 1), flat)
+    assert u.shape == (5, 1) and u.dtype == flat.dtype
+    drawn = sample_rows(flat, 1, None, u)[:, 0]
+    for i in range(5):
+        alone = sample_rows(flat[i : i + 1], 1, torch.Generator().manual_seed(10 + i))[0, 0]
+        assert drawn[i] == alone
