@@ -22,7 +22,8 @@ a decision is not taken on a handful of steps: the design before compared adjace
 batch-size bucket, and in a 32-request sweep a bucket decided on 1-3 such pairs. Until both modes have MIN_SAMPLES
 steps the planner's plan decides (drafting unless it planned none at that batch size); to measure, the preferred
 mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready (from a batch size's first
-step) and after every EXPLORE_EVERY steps at that batch size once it is (4x less often while the ratio is beyond
+step; where the plan says not to speculate, after every EXPLORE_EVERY steps) and after every EXPLORE_EVERY steps at
+that batch size once it is (4x less often while the ratio is beyond
 CLEAR_MARGIN, or while the model and the plan agree that speculation does not pay: at 16 rows on the tiny world the
 probes were most of the 7-8% of steps that drafted).
 A drafting step right after steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per
@@ -466,7 +467,14 @@ class Scheduler:
         if left:
             self._probing[size] = left - 1
             return not preferred
-        if ratio is None:  # from a batch size's first step: the model needs steps of both modes
+        if (
+            ratio is None and against_plan
+        ):  # the start-up plan measured that drafting does not pay here: trust it
+            # for EXPLORE_EVERY steps. Probed at once, a 16-row first wave of equal requests drafted 6 of its first
+            # 12 steps, which staggered its rows for good: the next waves came in one request per step and every
+            # row attended over the longest row's columns (out of process, T = 1: 0.76-0.85x batched AR)
+            due = steps % EXPLORE_EVERY == 0
+        elif ratio is None:  # from a batch size's first step: the model needs steps of both modes
             due = steps % WARMUP_EVERY == 1
         else:  # a clear answer is re-checked less often (a drafting probe can cost 2-3 AR steps): a ratio beyond
             # CLEAR_MARGIN, or the model and the plan agreeing that speculation does not pay at this batch size.

@@ -610,7 +610,7 @@ def test_step_cost_model_fits_a_line_in_the_rows():
 
 def test_adaptive_policy_decides_by_the_cost_model():
     """The plan decides until both modes have MIN_SAMPLES pure steps (the other mode probed every WARMUP_EVERY-th
-    step, from the first); then the model's ratio at the CURRENT row count decides, and the other mode is probed
+    step, from the first; where the plan says not to speculate, after every EXPLORE_EVERY steps); then the model's ratio at the CURRENT row count decides, and the other mode is probed
     after every EXPLORE_EVERY steps at a batch size."""
     from types import SimpleNamespace
 
@@ -625,7 +625,12 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert sched._choose(4) is True  # no model, no plan against it: draft, and probe AR next
         assert [sched._choose(4) for _ in range(PROBE_STEPS)] == [False] * PROBE_STEPS
         assert sched._choose(4) is True
-        assert sched._choose(2) is False  # the plan says no speculation at 2 rows
+        assert sched._choose(2) is False  # the plan says no speculation at 2 rows...
+        assert not sched._probing.get(2)  # ...and no probe yet: the plan is trusted for EXPLORE_EVERY steps
+        sched.step_counts[2] = [EXPLORE_EVERY - 1, 0]
+        assert sched._choose(2) is False and sched._probing[2] == PROBE_STEPS
+        sched._probing.clear()
+        del sched.step_counts[2]
         # AR: 8 ms + 1 ms a row, one token a row; drafting: 9 ms + 2 ms a row, 1.5 tokens a row
         for i, rows in enumerate((3, 5, 7, 9, 11, 13, 15)):
             sched._measure(False, rows, rows, False, 0.008 + 0.001 * rows)
