@@ -17,7 +17,8 @@ emits per step. It drafts at R rows when the model predicts fewer seconds per em
 steps at R rows; coming from AR, only below SWITCH_MARGIN (the drafting step after AR steps feeds the draft every
 token it skipped, so flipping back and forth costs), or below AGAINST_PLAN_MARGIN where the planner found that
 speculation does not pay at that batch size (the online model is noisy; the plan is a second opinion), and there it
-goes on drafting only while below AGAINST_PLAN_KEEP. Every pure step at every batch size feeds its mode's model, so
+goes on drafting only while below AGAINST_PLAN_KEEP, and only once both modes have MIN_SAMPLES steps at that
+batch-size bucket (the plan was measured there; the model's line through other sizes' steps is not). Every pure step at every batch size feeds its mode's model, so
 a decision is not taken on a handful of steps: the design before compared adjacent steps of the two modes per
 batch-size bucket, and in a 32-request sweep a bucket decided on 1-3 such pairs. Until both modes have MIN_SAMPLES
 steps the planner's plan decides (drafting unless it planned none at that batch size); to measure, the preferred
@@ -454,6 +455,12 @@ class Scheduler:
         steps = self.step_counts.get(size, (0, 0))[0] + 1  # counting this one
         ratio = self.predicted_ratio(rows, greedy)
         against_plan = self._plan_prefers_ar(size, greedy)
+        if against_plan and not self._measured_at(size, greedy):
+            # the plan was measured at this batch size; a model line drawn through other sizes' steps does not
+            # overrule it: at 16 rows, T = 0, a model fitted on 1-8 rows put drafting at 0.85x AR and the server
+            # drafted the first steps of a wave of 16 equal requests, which staggered them for good (the next wave
+            # then came in one request per step and every row attended over the longest row's columns)
+            ratio = None
         if ratio is None:
             preferred = not against_plan
         else:  # hysteresis: near a ratio of 1 the noise would flip the mode, and each flip has a cost
@@ -508,6 +515,13 @@ class Scheduler:
         if not drafted:
             return "ar"
         return (tuple(self.batched.shape) if drafted is True else tuple(drafted)), greedy
+
+    def _measured_at(self, size: int, greedy: bool = False) -> bool:
+        """Both modes' cost models hold MIN_SAMPLES pure steps at this batch-size bucket (drafting its tree)."""
+        models = (self.models.get(self._model_key(self.tree_at(size, greedy), greedy)), self.models.get("ar"))
+        return all(
+            m is not None and sum(_bucket(r) == size for r, *_ in m.steps) >= MIN_SAMPLES for m in models
+        )
 
     def predicted_ratio(self, rows: int, greedy: bool = False) -> float | None:
         """The cost model's drafting / AR seconds per emitted token at `rows` rows (all greedy: `greedy`),

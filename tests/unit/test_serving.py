@@ -663,9 +663,15 @@ def test_adaptive_policy_decides_by_the_cost_model():
         assert sched._choose(5) is False  # 0.97 again, but back from AR it takes a ratio below SWITCH_MARGIN
         assert sched._choose(1) is True
         assert sched._choose(8) is False and sched._choose(16) is False
-        sched.predicted_ratio = lambda rows, greedy=False: (
-            0.9
-        )  # where the plan says no speculation, drafting must look
+        # where the plan says no speculation, the model overrules it only once both modes have steps at that size
+        sched.predicted_ratio = lambda rows, greedy=False: 0.5
+        assert sched._choose(2) is False
+        for _ in range(MIN_SAMPLES):
+            sched._measure(False, 2, 2, False, 0.010)
+            sched._measure((1,), 2, 3, False, 0.011)
+        assert sched._choose(2) is True
+        sched._preferred[2] = False
+        sched.predicted_ratio = lambda rows, greedy=False: 0.9  # ... and drafting must look
         assert sched._choose(2) is False  # cheaper than AGAINST_PLAN_MARGIN (0.85) to start
         sched.predicted_ratio = lambda rows, greedy=False: 0.8
         assert sched._choose(2) is True
