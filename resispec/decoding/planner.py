@@ -376,11 +376,13 @@ def calibrate_alpha(
     max_draws: int = 4,
     samples: int = 64,
     seed: int = 0,
+    logits: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[int, float]:
     """Mean per-node acceptance alpha(n), n = 1..max_draws, of `rule` under `settings` (temperature/top-k/top-p)
     at the positions >= `start` of each sequence (prompt + the target's own continuation). Temperature 0: the
-    greedy rule's acceptance, P(argmax p among the top-n of q)."""
-    t_logits, d_logits = node_logits(target, draft, sequences, start)
+    greedy rule's acceptance, P(argmax p among the top-n of q). `logits`: those nodes' (target, draft) logits when
+    the caller already has them (node_logits of the same sequences and start)."""
+    t_logits, d_logits = logits if logits is not None else node_logits(target, draft, sequences, start)
     out = {}
     if is_greedy(settings.get("temperature", 1.0)):
         best = t_logits.argmax(-1, keepdim=True)  # [N, 1]
@@ -573,9 +575,14 @@ class Planner:
 
         settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
         cost = self.cost_for(draft)
-        alphas = [
-            calibrate_alpha(self.target, draft, [seq], rule, settings, start=len(p))
+        # each prompt's nodes once: the calibration scores them, and the first prompt's time the verification
+        node_sets = [
+            (seq, len(p), node_logits(self.target, draft, [seq], len(p)))
             for seq, p in zip(self._sequences(settings), self.prompts, strict=True)
+        ]
+        alphas = [
+            calibrate_alpha(self.target, draft, [seq], rule, settings, start=start, logits=logits)
+            for seq, start, logits in node_sets
         ]
         alpha = {n: sum(a[n] for a in alphas) / len(alphas) for n in alphas[0]}
         rule_obj = build_rule(rule, auto_policy)
@@ -583,9 +590,7 @@ class Planner:
             vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
             device = next(draft.parameters()).device
             # timed on the calibration's own nodes (the first prompt's): the cost depends on the distributions
-            t_logits, d_logits = node_logits(
-                self.target, draft, self._sequences(settings)[:1], len(self.prompts[0])
-            )
+            t_logits, d_logits = node_sets[0][2]
             nodes = probs(t_logits, **settings), probs(d_logits, **settings)
             cost.verify_ms = measure_verify_ms(rule_obj, vocab, max(alpha), device=device, nodes=nodes)
             cost.verify_row_ms = measure_verify_row_ms(rule_obj, vocab, device=device, nodes=nodes)

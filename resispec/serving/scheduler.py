@@ -18,15 +18,15 @@ steps at R rows; coming from AR, only below SWITCH_MARGIN (the drafting step aft
 token it skipped, so flipping back and forth costs), or below AGAINST_PLAN_MARGIN where the planner found that
 speculation does not pay at that batch size (the online model is noisy; the plan is a second opinion), and there it
 goes on drafting only while below AGAINST_PLAN_KEEP, and only once both modes have MIN_SAMPLES steps at that
-batch-size bucket (the plan was measured there; the model's line through other sizes' steps is not). Every pure step at every batch size feeds its mode's model, so
-a decision is not taken on a handful of steps: the design before compared adjacent steps of the two modes per
-batch-size bucket, and in a 32-request sweep a bucket decided on 1-3 such pairs. Until both modes have MIN_SAMPLES
-steps the planner's plan decides (drafting unless it planned none at that batch size); to measure, the preferred
+batch-size bucket (the plan was measured there; the model's line through other sizes' steps is not). Every pure step
+at every batch size feeds its mode's model, so a decision is not taken on a handful of steps: the design before
+compared adjacent steps of the two modes per batch-size bucket, and in a 32-request sweep a bucket decided on 1-3
+such pairs. Until both modes have MIN_SAMPLES steps the planner's plan decides (drafting unless it planned none at that batch size); to measure, the preferred
 mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready (from a batch size's first
 step; where the plan says not to speculate, after every EXPLORE_EVERY steps) and after every EXPLORE_EVERY steps at
-that batch size once it is (4x less often while the ratio is beyond
-CLEAR_MARGIN, or while the model and the plan agree that speculation does not pay: at 16 rows on the tiny world the
-probes were most of the 7-8% of steps that drafted).
+that batch size once it is (4x less often while the ratio is beyond CLEAR_MARGIN, or while the model and the plan
+agree that speculation does not pay: at 16 rows on the tiny world the probes were most of the 7-8% of steps that
+drafted).
 A drafting step right after steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per
 batch-size bucket the measured medians per mode, the model's ratio at the bucket's size and the share of steps that
 drafted; an INFO line every LOG_EVERY steps says the same. Under decode.tree=auto the plan has two halves: a batch of greedy rows drafts the tree planned at
@@ -474,12 +474,11 @@ class Scheduler:
         if left:
             self._probing[size] = left - 1
             return not preferred
-        if (
-            ratio is None and against_plan
-        ):  # the start-up plan measured that drafting does not pay here: trust it
-            # for EXPLORE_EVERY steps. Probed at once, a 16-row first wave of equal requests drafted 6 of its first
-            # 12 steps, which staggered its rows for good: the next waves came in one request per step and every
-            # row attended over the longest row's columns (out of process, T = 1: 0.76-0.85x batched AR)
+        if ratio is None and against_plan:
+            # the start-up plan measured that drafting does not pay here: trust it for EXPLORE_EVERY steps. Probed
+            # at once, a 16-row first wave of equal requests drafted 6 of its first 12 steps, which staggered its
+            # rows for good: the next waves came in one request per step and every row attended over the longest
+            # row's columns (out of process, T = 1: 0.76-0.85x batched AR)
             due = steps % EXPLORE_EVERY == 0
         elif ratio is None:  # from a batch size's first step: the model needs steps of both modes
             due = steps % WARMUP_EVERY == 1
