@@ -223,6 +223,24 @@ def merge_cache_row(cache: DynamicCache, num_rows: int, row_cache: DynamicCache)
             _merge_layer(layer, name, num_rows, None if src is None else getattr(src, name))
 
 
+def split_cache_rows(cache: DynamicCache, lengths: list[int]) -> list[DynamicCache]:
+    """Row b of a batch cache whose rows are right-aligned (row b owns the last lengths[b] columns) as a batch-1
+    cache of its own, for merge_cache_row: views, no copy (a batched prefill of several prompts, split)."""
+    out = []
+    for b, length in enumerate(lengths):
+        row = DynamicCache()
+        row.layers = []
+        for layer in cache.layers:
+            part = DynamicLayer()
+            part.lazy_initialization(layer.keys, layer.values)
+            t = layer.keys.shape[-2]
+            part.keys = layer.keys[b : b + 1, :, t - length :]
+            part.values = layer.values[b : b + 1, :, t - length :]
+            row.layers.append(part)
+        out.append(row)
+    return out
+
+
 @torch.inference_mode()  # writes into the decoders' inference-mode buffers
 def select_cache_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     """Keep the batch rows `rows` [R] (in that order). In the buffer, only the rows whose slot changes are moved

@@ -23,6 +23,10 @@ class ServerConfig:
     # tokens then depend on which steps drafted, i.e. on the load)
     seeded_sampling: str = "invariant"
     kv_budget_tokens: int | None = None  # KV bound: rows x longest prompt+max_tokens; null = none
+    # newcomers are prefilled together, in one target forward: at most this many prompt tokens per forward (at
+    # least one request). While others run, one such block joins per step boundary, so running streams stall for
+    # at most one prefill forward of this size (one request at a time: set it to 1)
+    max_prefill_tokens: int = 2048
     # torch threads of the decoding thread; null = all cores but one, left to the event loop that streams the
     # tokens (on 2 cores, 2 torch threads fighting the event loop made batched steps ~2x slower: recipes/vllm)
     num_threads: int | None = None

@@ -38,8 +38,11 @@ drafted or not, so the policy treats it as any other row.
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
 (running + 1) x the longest worst-case row fits (prompt + max_tokens; on the speculative batch with room for the
 holes rejected tree nodes leave until a repack), so the cache can never outgrow it; a request that alone exceeds it
-is refused (RequestTooLargeError -> 400). A newcomer's prefill runs alone between two steps, and at most one per
-step boundary while others run, so running streams stall for at most one prefill.
+is refused (RequestTooLargeError -> 400). Newcomers are prefilled together between two steps, in one target forward
+(`add_many`) over at most `max_prefill_tokens` prompt tokens (at least one request); while others run, one such
+block per step boundary, so running streams stall for at most one prefill forward. (One newcomer per boundary, as
+before, staggered the rows: a wave of 16 clients whose requests reach the server over a few steps joined over 14
+steps, and a right-aligned cache makes every row attend over the longest row's columns.)
 """
 
 from __future__ import annotations
@@ -167,13 +170,16 @@ class Scheduler:
         max_queue: int = 64,
         metrics=None,
         speculation: str = "auto",
+        max_prefill_tokens: int = 2048,
     ) -> None:
         if speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {speculation!r}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"server.max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
         self.engine, self.metrics, self.speculation = engine, metrics, speculation
         self.batched = getattr(engine, "batched", None) if max_batch_size > 1 else None
         self.max_batch_size = max_batch_size if self.batched is not None else 1
-        self.kv_budget, self.max_queue = kv_budget, max_queue
+        self.kv_budget, self.max_queue, self.max_prefill_tokens = kv_budget, max_queue, max_prefill_tokens
         self.speculative = bool(getattr(engine, "speculative", False))
         self.spec_batch = self.batched is not None and getattr(self.batched, "draft", None) is not None
         if self.spec_batch:  # a batch that never drafts leaves the draft unfed
@@ -276,13 +282,14 @@ class Scheduler:
         n = len(job.prompt_ids) + job.params.max_new_tokens
         return 2 * n + 17 + self.batched.max_nodes if self.spec_batch else n
 
-    def _fits(self, job) -> bool:
-        if len(self.tasks) >= self.max_batch_size:
+    def _fits(self, job, admitting: list) -> bool:
+        """`job` fits next to the running requests and those `admitting` with it."""
+        if len(self.tasks) + len(admitting) >= self.max_batch_size:
             return False
         if self.kv_budget is None:
             return True
-        longest = max(self._columns(j) for j in [t.job for t in self.tasks] + [job])
-        return (len(self.tasks) + 1) * longest <= self.kv_budget
+        longest = max(self._columns(j) for j in [t.job for t in self.tasks] + admitting + [job])
+        return (len(self.tasks) + len(admitting) + 1) * longest <= self.kv_budget
 
     def _cycle(self) -> None:
         """Admit, step, emit. A pure batch step is measured over the whole cycle: the newcomer's admission (merging
@@ -299,51 +306,88 @@ class Scheduler:
             self._measure(*self._pure, time.perf_counter() - t0 - self._prefill_seconds)
 
     def _admit(self) -> int:
-        """Admit waiting jobs that fit: all that fit when nothing runs, else one per step boundary. -> how many."""
+        """Admit waiting jobs that fit, prefilled together (one target forward for all of them): when nothing
+        runs, every one that fits, in blocks of max_prefill_tokens prompt tokens; else one block per step
+        boundary (at least one job). -> how many."""
         busy, admitted = bool(self.tasks), 0
         while True:
+            jobs, tokens = [], 0
             with self._cv:
-                while self.waiting and self.waiting[0].cancelled.is_set():
-                    self.waiting.popleft().finish()  # a client that left while queued costs nothing
-                if not self.waiting or not self._fits(self.waiting[0]):
-                    self._gauges()
-                    return admitted
-                job = self.waiting.popleft()
+                while True:
+                    while self.waiting and self.waiting[0].cancelled.is_set():
+                        self.waiting.popleft().finish()  # a client that left while queued costs nothing
+                    if not self.waiting or not self._fits(self.waiting[0], jobs):
+                        break
+                    job = self.waiting[0]
+                    if jobs and tokens + len(job.prompt_ids) > self.max_prefill_tokens:
+                        break
+                    jobs.append(self.waiting.popleft())
+                    tokens += len(job.prompt_ids)
                 self._gauges()
-            self._start(job)
-            admitted += 1
+            if not jobs:
+                return admitted
+            self._start(jobs)
+            admitted += len(jobs)
             if busy:
                 return admitted
 
-    def _start(self, job) -> None:
-        task = _Task(job=job, path="stream")
+    def _start(self, jobs: list) -> None:
+        """Start `jobs`: their scorers and random streams, then their rows, prefilled together (add_many); if
+        that fails, one by one, so that only a job that fails alone fails."""
+        tasks = []
+        for job in jobs:
+            task = _Task(job=job, path="stream")
+            try:
+                task.scorer = start_scoring(self.engine, job.prompt_ids, job.params)  # None unless asked
+                job.prompt_logprobs = task.scorer and task.scorer.prompt
+                if self.batched is None:
+                    task.stream = self.engine.stream(job.prompt_ids, job.params)
+                    task.stats = getattr(self.engine, "last_stats", None)
+                else:
+                    task.path = "batch"
+                    task.generator = self.engine.generator(job.params)
+            except BaseException as exc:
+                log.exception("admission failed")
+                self._finish(task, exc)
+                continue
+            tasks.append(task)
+        batch = [t for t in tasks if t.path == "batch"]
+        rows: list = []
+        if len(batch) == 1:
+            rows = [self._add_alone(batch[0])]
+        elif batch:
+            try:
+                rows = self.batched.add_many([self._row_request(t) for t in batch])
+            except BaseException:
+                log.exception("admitting %d requests together failed; admitting them one by one", len(batch))
+                rows = [self._add_alone(t) for t in batch]
+        for task, row in zip(batch, rows, strict=True):
+            task.row, task.stats = row, row and row.stats
+            # so far only its prefills (the target's, and on the speculative batch the draft's)
+            if row is not None:
+                self._prefill_seconds += row.stats.target_seconds + row.stats.draft_seconds
+        for task in tasks:
+            if task.path == "batch" and task.row is None:
+                continue  # failed above
+            self.tasks.append(task)
+            if task.row is not None and task.row.finished:  # max_tokens 0
+                self._finish(task)
+        self._gauges()
+
+    def _add_alone(self, task: _Task):
+        """`task`'s row, prefilled alone; None when that fails (the task is finished with the error)."""
         try:
-            task.scorer = start_scoring(self.engine, job.prompt_ids, job.params)  # None unless asked
-            job.prompt_logprobs = task.scorer and task.scorer.prompt
-            if self.batched is None:
-                task.stream = self.engine.stream(job.prompt_ids, job.params)
-                task.stats = getattr(self.engine, "last_stats", None)
-            else:
-                task.path = "batch"
-                task.generator = self.engine.generator(job.params)
-                task.row = self._add_row(task)
-                task.stats = task.row.stats
-                # so far only its prefills (the target's, and the draft's on the speculative batch)
-                self._prefill_seconds += task.stats.target_seconds + task.stats.draft_seconds
+            return self.batched.add_many([self._row_request(task)])[0]
         except BaseException as exc:
             log.exception("admission failed")
             self._finish(task, exc)
-            return
-        self.tasks.append(task)
-        if task.row is not None and task.row.finished:  # max_tokens 0
-            self._finish(task)
-        self._gauges()
+            return None
 
-    def _add_row(self, task: _Task):
-        """Prefill `task` as a batch row."""
+    def _row_request(self, task: _Task) -> dict:
+        """add_many's entry for `task`'s row."""
         p = task.job.params
-        return self.batched.add(
-            list(task.job.prompt_ids),
+        return dict(
+            prompt_ids=list(task.job.prompt_ids),
             max_new_tokens=p.max_new_tokens,
             temperature=p.temperature,
             top_p=p.top_p,

@@ -65,7 +65,8 @@ class DecoderEngine:
 
     With `max_batch_size > 1` it also carries a batched decoder over the same pair (`batched`: speculative or AR
     as the engine), which the scheduler uses to decode many requests in one target forward per step. `kv_budget`
-    (tokens, None = unbounded) bounds the batch cache; `speculation` (auto | always | never) is the scheduler's
+    (tokens, None = unbounded) bounds the batch cache; `max_prefill_tokens` the prompt tokens of newcomers
+    prefilled together in one forward; `speculation` (auto | always | never) is the scheduler's
     per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
     output under decode.tree=auto) is the tree speculative steps draft at each batch size; `greedy_trees_by_batch`
     the same for batches of greedy rows (None: `trees_by_batch`); `seeded_sampling` (invariant | rule) how a seeded
@@ -78,6 +79,7 @@ class DecoderEngine:
         speculative: bool = True,
         max_batch_size: int = 1,
         kv_budget: int | None = None,
+        max_prefill_tokens: int = 2048,
         speculation: str = "auto",
         trees_by_batch: dict[int, list[int] | None] | None = None,
         greedy_trees_by_batch: dict[int, list[int] | None] | None = None,
@@ -97,6 +99,7 @@ class DecoderEngine:
         self.eos_token_id = eos if eos is not None else tokenizer.eos_token_id
         self.last_stats = None
         self.max_batch_size, self.kv_budget, self.speculation = max_batch_size, kv_budget, speculation
+        self.max_prefill_tokens = max_prefill_tokens
         self.batched = None
         if max_batch_size > 1:
             from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
@@ -194,6 +197,7 @@ class DecodeWorker:
             engine,
             max_batch_size=getattr(engine, "max_batch_size", 1),
             kv_budget=getattr(engine, "kv_budget", None),
+            max_prefill_tokens=getattr(engine, "max_prefill_tokens", 2048),
             speculation=getattr(engine, "speculation", "auto"),
             max_queue=max_queue,
             metrics=metrics,

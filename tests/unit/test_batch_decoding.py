@@ -438,3 +438,61 @@ def test_batched_spec_steps_without_a_draft_are_batched_ar(setup):
         bs.step(True)
     assert greedy.generated == _alone(dec, greedy.prompt, new=3 * NEW, temperature=0.0)
     assert bs.tcache.num_cols == 0
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("lengths", ["mixed", "equal"])
+def test_rows_prefilled_together_equal_rows_added_one_by_one(setup, speculative, lengths):
+    """add_many prefills all newcomers in ONE forward (left-padded and masked where the prompts' lengths differ, a
+    1-token prompt among them): each row's cache holds what its own prefill would (within float error), and every
+    row then decodes as it would alone: greedy rows their greedy tokens, a seeded sampled row the same tokens."""
+    from resispec.decoding.batch import _prefill
+
+    target, ar, prompts = setup
+    if lengths == "equal":
+        prompts = [(p * 20)[:9] for p in prompts]
+    dec, bs = _spec(setup, tree=(2, 1)) if speculative else (ar, BatchedDecoder.from_decoder(ar))
+    settings = [dict(temperature=0.0, eos_token_id=[], max_new_tokens=NEW) for _ in prompts]
+    settings[1] = dict(temperature=1.0, top_k=20, eos_token_id=[], max_new_tokens=NEW)
+
+    def seeded(s):
+        return dict(s, generator=torch.Generator().manual_seed(3))
+
+    # the caches: together against one by one
+    rows = [bs._new_row(p, **s) for p, s in zip(prompts, settings, strict=True)]
+    together = _prefill(bs._target_fwd, target, rows, "target")
+    for row, cache in zip(rows, together, strict=True):
+        (alone,) = _prefill(bs._target_fwd, target, [row], "target")
+        if len(row.prompt) == 1:
+            assert cache.get_seq_length() == 0
+            continue
+        for a, b in zip(alone.layers, cache.layers, strict=True):
+            assert b.keys.shape == a.keys.shape == (1, a.keys.shape[1], len(row.prompt) - 1, a.keys.shape[-1])
+            torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-5)
+    assert sum(r.stats.target_forwards for r in rows) == 2 * sum(len(p) > 1 for p in prompts)
+
+    def one_by_one():
+        rows = [bs.add(p, **seeded(s)) for p, s in zip(prompts, settings, strict=True)]
+        while bs.rows:
+            bs.step()
+        return [r.generated for r in rows]
+
+    got = bs.generate(prompts, [seeded(s) for s in settings])
+    assert got == one_by_one()
+    for b, (prompt, out) in enumerate(zip(prompts, got, strict=True)):
+        if b != 1:
+            assert out == _alone(ar, prompt, temperature=0.0)
+    if speculative:  # the seeded sampled row equals the batch-1 speculative decoder's tokens for that seed
+        ref = dec.generate(torch.tensor([prompts[1]]), **seeded(settings[1]))
+        assert got[1] == ref.sequences[0, len(prompts[1]) :].tolist()
+
+
+def test_add_many_checks_every_row_first(setup):
+    _, ar, prompts = setup
+    bd = BatchedDecoder.from_decoder(ar)
+    with pytest.raises(ValueError, match="empty prompt"):
+        bd.add_many([dict(prompt_ids=prompts[0]), dict(prompt_ids=[])])
+    assert bd.rows == [] and bd.num_cols == 0
+    rows = bd.add_many([dict(prompt_ids=prompts[2], max_new_tokens=0), dict(prompt_ids=prompts[3])])
+    assert rows[0].finished and bd.rows == [rows[1]]

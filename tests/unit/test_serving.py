@@ -804,3 +804,63 @@ def test_in_process_modes_are_chosen_by_name():
     assert list(select_modes(["batched adaptive", "batched AR"])) == ["batched AR", "batched adaptive"]
     with pytest.raises(UnknownModeError, match="batched ar"):
         select_modes(["batched ar"])
+
+
+def test_newcomers_are_prefilled_together_in_blocks():
+    """Waiting requests join in one prefill forward each block (add_many) of at most max_prefill_tokens prompt
+    tokens (at least one request): every block when nothing runs, one block per step boundary while others run,
+    never past max_batch_size; when a block fails, its requests are admitted one by one and only the bad one
+    fails."""
+    import threading
+    from types import SimpleNamespace
+
+    from resispec.decoding.stats import DecodeStats
+    from resispec.serving.scheduler import Scheduler
+
+    calls = []
+
+    class Batch:
+        draft = None
+        rows: list = []
+
+        def add_many(self, requests):
+            calls.append(len(requests))
+            if any(r["prompt_ids"][0] == -1 for r in requests):
+                raise ValueError("bad prompt")
+            return [SimpleNamespace(finished=False, stats=DecodeStats()) for _ in requests]
+
+    params = SimpleNamespace(max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0, stop=None, logprobs=None)
+    engine = SimpleNamespace(batched=Batch(), generator=lambda p: None, eos=lambda p: [])
+    sched = Scheduler(engine, max_batch_size=8, max_prefill_tokens=25)
+    sched.close()  # no decode thread: _admit is driven by hand below
+
+    def job(first=1):
+        return SimpleNamespace(
+            prompt_ids=[first] * 10,
+            params=params,
+            cancelled=threading.Event(),
+            finish=lambda: None,
+            _put=lambda item: None,
+            error=None,
+        )
+
+    sched.waiting.extend(job() for _ in range(5))
+    assert sched._admit() == 5 and calls == [2, 2, 1]  # nothing ran: every block at once
+    calls.clear()
+    sched.waiting.extend(job() for _ in range(4))
+    assert sched._admit() == 2 and calls == [2]  # others run: one block per step boundary
+    assert sched._admit() == 1 and calls == [2, 1]  # ... and never past max_batch_size (8)
+    assert len(sched.waiting) == 1 and sched.num_running == 8
+    sched.tasks.clear()
+    sched.waiting.clear()
+    calls.clear()
+    bad, good = job(first=-1), job()
+    sched.waiting.extend([job(), bad, good])
+    sched.tasks.append(SimpleNamespace())  # one running request
+    assert sched._admit() == 2 and calls == [2, 1, 1]  # the block failed: one by one
+    assert isinstance(bad.error, ValueError) and sched.num_running == 2
+    assert sched._admit() == 1 and good.error is None
+    import pytest
+
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        Scheduler(engine, max_batch_size=8, max_prefill_tokens=0)
