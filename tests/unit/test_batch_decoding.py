@@ -458,19 +458,24 @@ def test_rows_prefilled_together_equal_rows_added_one_by_one(setup, speculative,
     def seeded(s):
         return dict(s, generator=torch.Generator().manual_seed(3))
 
-    # the caches: together against one by one
-    rows = [bs._new_row(p, **s) for p, s in zip(prompts, settings, strict=True)]
-    together = _prefill(bs._target_fwd, target, rows, "target")
-    for row, cache in zip(rows, together, strict=True):
-        (alone,) = _prefill(bs._target_fwd, target, [row], "target")
-        if len(row.prompt) == 1:
-            assert cache.get_seq_length() == 0
-            continue
-        for a, b in zip(alone.layers, cache.layers, strict=True):
-            assert b.keys.shape == a.keys.shape == (1, a.keys.shape[1], len(row.prompt) - 1, a.keys.shape[-1])
-            torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-5)
-    assert sum(r.stats.target_forwards for r in rows) == 2 * sum(len(p) > 1 for p in prompts)
+    # the caches: together against one by one, on the decoder's forward and on the HF forward (4D additive mask)
+    for forward in (bs._target_fwd, target):
+        rows = [bs._new_row(p, **s) for p, s in zip(prompts, settings, strict=True)]
+        together = _prefill(forward, target, rows, "target")
+        for row, cache in zip(rows, together, strict=True):
+            (alone,) = _prefill(bs._target_fwd, target, [row], "target")
+            if len(row.prompt) == 1:
+                assert cache.get_seq_length() == 0
+                continue
+            for a, b in zip(alone.layers, cache.layers, strict=True):
+                assert (
+                    b.keys.shape
+                    == a.keys.shape
+                    == (1, a.keys.shape[1], len(row.prompt) - 1, a.keys.shape[-1])
+                )
+                torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-5)
+        assert sum(r.stats.target_forwards for r in rows) == 2 * sum(len(p) > 1 for p in prompts)
 
     def one_by_one():
         rows = [bs.add(p, **seeded(s)) for p, s in zip(prompts, settings, strict=True)]
