@@ -536,6 +536,12 @@ class BatchedSpeculativeDecoder:
     def kv_tokens(self) -> int:
         return len(self.rows) * (self.tcache.num_cols + self.dcache.num_cols)
 
+    @property
+    def aligned(self) -> bool:
+        """Every row attends to every column of the target cache (no padding, no holes): rows of one length in
+        lockstep, as equal requests admitted together stay under autoregressive steps."""
+        return bool(self.tcache.valid.all())
+
     def _probs(self, logits: torch.Tensor, settings: dict) -> torch.Tensor:
         return process_logits(logits[..., : self.vocab_size], **settings)
 

@@ -501,3 +501,23 @@ def test_add_many_checks_every_row_first(setup):
     assert bd.rows == [] and bd.num_cols == 0
     rows = bd.add_many([dict(prompt_ids=prompts[2], max_new_tokens=0), dict(prompt_ids=prompts[3])])
     assert rows[0].finished and bd.rows == [rows[1]]
+
+
+def test_batched_spec_aligned_while_rows_are_in_lockstep(setup):
+    """`aligned` (the scheduler holds drafting probes back while it holds): equal prompts admitted together stay in
+    lockstep under AR steps; a drafting step whose rows accept different numbers of tokens, or rows of different
+    lengths, are not aligned."""
+    _, _, prompts = setup
+    _, bs = _spec(setup, tree=(2, 1))
+    equal = [(p * 20)[:9] for p in prompts]
+    bs.add_many([dict(prompt_ids=p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in equal])
+    assert bs.aligned
+    for _ in range(3):
+        bs.step(False)
+        assert bs.aligned
+    while bs.aligned and bs.rows:  # drafting: some row accepts fewer than another sooner or later
+        bs.step(True)
+    assert bs.rows and not bs.aligned
+    bs.reset()
+    bs.add_many([dict(prompt_ids=p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts])
+    assert not bs.aligned
