@@ -48,12 +48,13 @@ steps, and a right-aligned cache makes every row attend over the longest row's c
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from resispec.serving.logprobs import start_scoring
 
@@ -123,6 +124,7 @@ class StepCostModel:
     def __init__(self, window: int = MODEL_WINDOW) -> None:
         self.steps: deque = deque(maxlen=window)
         self._fits: dict[int, tuple[float, float, float]] = {}  # rows -> fit around them, until the next step
+        self._array: np.ndarray | None = None  # the steps as [n, 3] floats, until the next step
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -130,22 +132,34 @@ class StepCostModel:
     def add(self, rows: int, seconds: float, tokens: int) -> None:
         self.steps.append((rows, seconds, tokens))
         self._fits.clear()
+        self._array = None
+
+    @property
+    def array(self) -> np.ndarray:
+        """The steps as [n, 3] float64: rows, seconds, tokens."""
+        if self._array is None:
+            self._array = np.asarray(self.steps, dtype=np.float64).reshape(-1, 3)
+        return self._array
+
+    def count_at(self, size: int) -> int:
+        """Steps whose rows fall in batch-size bucket `size` (a bucket's top size, as _bucket gives)."""
+        rows = self.array[:, 0]
+        return int(((rows <= size) & (rows * 2 > size)).sum())
 
     def fit(self, rows: int | None = None) -> tuple[float, float, float]:
         """(intercept s, slope s per row, tokens per row per step); around `rows` when given: each step weighs
         a quarter as much per doubling of its rows away from them (one line does not fit 1 and 16 rows
-        equally well)."""
+        equally well). Vectorised: the policy refits every step (a Python loop over 96 steps cost ~150 us of a
+        6-15 ms step)."""
         if rows not in self._fits:
-            steps = self.steps
-            w = [1.0 if rows is None else 0.25 ** abs(math.log2(r / rows)) for r, *_ in steps]
-            n = sum(w)
-            mean_r = sum(wi * r for wi, (r, *_) in zip(w, steps, strict=True)) / n
-            mean_t = sum(wi * t for wi, (_, t, _) in zip(w, steps, strict=True)) / n
-            var = sum(wi * (r - mean_r) ** 2 for wi, (r, *_) in zip(w, steps, strict=True))
-            cov = sum(wi * (r - mean_r) * (t - mean_t) for wi, (r, t, _) in zip(w, steps, strict=True))
-            slope = max(0.0, cov / var) if var > 1e-12 else 0.0
-            per_row = sum(k for *_, k in steps) / sum(r for r, *_ in steps)
-            self._fits[rows] = (mean_t - slope * mean_r, slope, per_row)
+            r, t, k = self.array.T
+            w = np.ones_like(r) if rows is None else 0.25 ** np.abs(np.log2(r / rows))
+            n = w.sum()
+            mean_r, mean_t = (w * r).sum() / n, (w * t).sum() / n
+            var = (w * (r - mean_r) ** 2).sum()
+            cov = (w * (r - mean_r) * (t - mean_t)).sum()
+            slope = max(0.0, float(cov / var)) if var > 1e-12 else 0.0
+            self._fits[rows] = (float(mean_t - slope * mean_r), slope, float(k.sum() / r.sum()))
         return self._fits[rows]
 
     def per_token(self, rows: int) -> float:
@@ -573,9 +587,7 @@ class Scheduler:
     def _measured_at(self, size: int, greedy: bool = False) -> bool:
         """Both modes' cost models hold MIN_SAMPLES pure steps at this batch-size bucket (drafting its tree)."""
         models = (self.models.get(self._model_key(self.tree_at(size, greedy), greedy)), self.models.get("ar"))
-        return all(
-            m is not None and sum(_bucket(r) == size for r, *_ in m.steps) >= MIN_SAMPLES for m in models
-        )
+        return all(m is not None and m.count_at(size) >= MIN_SAMPLES for m in models)
 
     def predicted_ratio(self, rows: int, greedy: bool = False) -> float | None:
         """The cost model's drafting / AR seconds per emitted token at `rows` rows (all greedy: `greedy`),
