@@ -537,10 +537,12 @@ class BatchedSpeculativeDecoder:
         return len(self.rows) * (self.tcache.num_cols + self.dcache.num_cols)
 
     @property
-    def aligned(self) -> bool:
-        """Every row attends to every column of the target cache (no padding, no holes): rows of one length in
-        lockstep, as equal requests admitted together stay under autoregressive steps."""
-        return bool(self.tcache.valid.all())
+    def in_lockstep(self) -> bool:
+        """Every row attends to all the target cache's columns but at most one (no hole, at most one token of
+        padding): rows of one length, as equal requests admitted together stay under autoregressive steps (up to
+        one step, for a request that reached the server a step later)."""
+        valid = self.tcache.valid
+        return valid.shape[0] == 0 or int(valid.sum(1).min()) >= valid.shape[1] - 1
 
     def _probs(self, logits: torch.Tensor, settings: dict) -> torch.Tensor:
         return process_logits(logits[..., : self.vocab_size], **settings)

@@ -546,20 +546,21 @@ class Scheduler:
             # that has just filled up (a drafting probe staggers rows that would have finished together)
             clear = max(ratio, 1 / ratio) > CLEAR_MARGIN or (against_plan and not preferred)
             due = steps % (EXPLORE_EVERY * (4 if clear else 1)) == 0
-        if due and against_plan and self._aligned():
+        if due and against_plan and self._in_lockstep():
             # a drafting probe would break the lockstep for good: rows accept different numbers of tokens, finish
             # at different steps, and from then on every row attends over the longest row's columns. At 8 clients,
             # T = 0, the probes (4% of the steps) made the AR steps that followed 8% dearer per token than
-            # batched AR's (out of process, 0.89x batched AR's tokens/s). An aligned batch is not probed; one that
-            # is staggered already loses nothing to the probe but its own steps
+            # batched AR's (out of process, 0.89x batched AR's tokens/s). A batch in lockstep (up to one step: the
+            # clients' next requests reach the server a step apart) is not probed; one that is staggered already
+            # loses nothing to the probe but its own steps
             due = False
         if due:  # the other mode, from the next step
             self._probing[size] = PROBE_STEPS
         return preferred
 
-    def _aligned(self) -> bool:
-        """The batch's rows are in lockstep (every row attends to every column)."""
-        return bool(getattr(self.batched, "aligned", False))
+    def _in_lockstep(self) -> bool:
+        """The batch's rows are in lockstep (BatchedSpeculativeDecoder.in_lockstep)."""
+        return bool(getattr(self.batched, "in_lockstep", False))
 
     def _measure(self, drafted, rows: int, tokens: int, greedy: bool, seconds: float) -> None:
         """Record a pure step's cycle: `drafted` is False for an AR step, else the tree every row drafted; `greedy`:

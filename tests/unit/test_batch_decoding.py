@@ -503,21 +503,24 @@ def test_add_many_checks_every_row_first(setup):
     assert rows[0].finished and bd.rows == [rows[1]]
 
 
-def test_batched_spec_aligned_while_rows_are_in_lockstep(setup):
-    """`aligned` (the scheduler holds drafting probes back while it holds): equal prompts admitted together stay in
-    lockstep under AR steps; a drafting step whose rows accept different numbers of tokens, or rows of different
-    lengths, are not aligned."""
+def test_batched_spec_in_lockstep(setup):
+    """`in_lockstep` (the scheduler holds drafting probes back while it holds): equal prompts admitted together stay
+    in lockstep under AR steps, and so does one that joins a step later; a drafting step whose rows accept
+    different numbers of tokens, or rows of different lengths, are not in lockstep."""
     _, _, prompts = setup
     _, bs = _spec(setup, tree=(2, 1))
     equal = [(p * 20)[:9] for p in prompts]
-    bs.add_many([dict(prompt_ids=p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in equal])
-    assert bs.aligned
+    greedy = dict(max_new_tokens=NEW, temperature=0.0, eos_token_id=[])
+    bs.add_many([dict(greedy, prompt_ids=p) for p in equal[:-1]])
+    assert bs.in_lockstep
+    bs.step(False)
+    bs.add(equal[-1], **greedy)  # a step late
     for _ in range(3):
+        assert bs.in_lockstep
         bs.step(False)
-        assert bs.aligned
-    while bs.aligned and bs.rows:  # drafting: some row accepts fewer than another sooner or later
+    while bs.in_lockstep and bs.rows:  # drafting: some row accepts fewer than another sooner or later
         bs.step(True)
-    assert bs.rows and not bs.aligned
+    assert bs.rows and not bs.in_lockstep
     bs.reset()
-    bs.add_many([dict(prompt_ids=p, max_new_tokens=NEW, temperature=0.0, eos_token_id=[]) for p in prompts])
-    assert not bs.aligned
+    bs.add_many([dict(greedy, prompt_ids=p) for p in prompts])
+    assert not bs.in_lockstep

@@ -866,7 +866,7 @@ def test_newcomers_are_prefilled_together_in_blocks():
         Scheduler(engine, max_batch_size=8, max_prefill_tokens=0)
 
 
-def test_no_drafting_probe_breaks_an_aligned_batch():
+def test_no_drafting_probe_breaks_a_batch_in_lockstep():
     """Where the plan says not to speculate, a drafting probe waits while the rows are in lockstep (it would
     stagger them for good); a staggered batch is probed as before, and AR probes where the plan drafts are not
     held back (an AR step staggers nothing)."""
@@ -874,16 +874,16 @@ def test_no_drafting_probe_breaks_an_aligned_batch():
 
     from resispec.serving.scheduler import EXPLORE_EVERY, PROBE_STEPS, Scheduler
 
-    batched = SimpleNamespace(draft=object(), rows=[], shape=[3], aligned=True)
+    batched = SimpleNamespace(draft=object(), rows=[], shape=[3], in_lockstep=True)
     engine = SimpleNamespace(batched=batched, trees_by_batch={16: None, 4: [2, 1]})
     sched = Scheduler(engine, max_batch_size=16, speculation="auto")
     try:
         sched.step_counts[16] = [EXPLORE_EVERY - 1, 0]
-        assert sched._choose(16) is False and not sched._probing.get(16)  # aligned: no probe
-        batched.aligned = False
+        assert sched._choose(16) is False and not sched._probing.get(16)  # in lockstep: no probe
+        batched.in_lockstep = False
         assert sched._choose(16) is False and sched._probing[16] == PROBE_STEPS  # staggered: probed
         assert sched._choose(16) is True
-        batched.aligned = True
+        batched.in_lockstep = True
         assert sched._choose(4) is True and sched._probing[4] == PROBE_STEPS  # the plan drafts: AR probe
         assert sched._choose(4) is False
     finally:
