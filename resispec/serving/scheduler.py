@@ -26,7 +26,8 @@ mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model i
 step; where the plan says not to speculate, after every EXPLORE_EVERY steps) and after every EXPLORE_EVERY steps at
 that batch size once it is (4x less often while the ratio is beyond CLEAR_MARGIN, or while the model and the plan
 agree that speculation does not pay: at 16 rows on the tiny world the probes were most of the 7-8% of steps that
-drafted).
+drafted). Where the plan says not to speculate, no drafting probe starts while the batch is in lockstep (equal
+requests admitted together; `in_lockstep`): its rows would accept different numbers of tokens and stay staggered.
 A drafting step right after steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per
 batch-size bucket the measured medians per mode, the model's ratio at the bucket's size and the share of steps that
 drafted; an INFO line every LOG_EVERY steps says the same. Under decode.tree=auto the plan has two halves: a batch of greedy rows drafts the tree planned at
@@ -548,7 +549,8 @@ class Scheduler:
             due = steps % (EXPLORE_EVERY * (4 if clear else 1)) == 0
         if due and against_plan and self._in_lockstep():
             # a drafting probe would break the lockstep for good: rows accept different numbers of tokens, finish
-            # at different steps, and from then on every row attends over the longest row's columns. At 8 clients,
+            # at different steps, and the next requests join over several boundaries (steps with fewer rows, every
+            # row attending over the longest row's columns). At 8 clients,
             # T = 0, the probes (4% of the steps) made the AR steps that followed 8% dearer per token than
             # batched AR's (out of process, 0.89x batched AR's tokens/s). A batch in lockstep (up to one step: the
             # clients' next requests reach the server a step apart) is not probed; one that is staggered already
