@@ -122,6 +122,12 @@ def sample_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Te
     return sample_rows(probs, 1, generator)[:, 0]
 
 
+def sample_each(weights: Tensor, generators: list) -> Tensor:
+    """One token per row [N] from weights [N, V], row i drawing with generators[i] (row_uniforms): the token
+    sample_tokens(weights[i : i + 1], generators[i]) gives it alone."""
+    return sample_rows(weights, 1, None, row_uniforms(generators, (1, 1), weights))[:, 0]
+
+
 def standard_gumbel(
     shape: tuple[int, ...], generator: torch.Generator | None, device=None, dtype: torch.dtype = torch.float32
 ) -> Tensor:

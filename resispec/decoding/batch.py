@@ -48,7 +48,7 @@ from resispec.decoding.kv_cache import (
 from resispec.decoding.lean import propose_at, row_rule, walk_greedy, walk_one_draw_chains, walk_sampled
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
-from resispec.sampling import SeedStream, is_greedy, probs_by_settings, row_uniforms, sample_at, sample_rows
+from resispec.sampling import SeedStream, is_greedy, probs_by_settings, sample_at, sample_each
 from resispec.sampling import probs as process_logits
 
 
@@ -109,8 +109,7 @@ def _next_tokens(rows: list[BatchRow], logits: torch.Tensor) -> list[int]:
     batched = [b for b, r in enumerate(rows) if not r.greedy and not isinstance(r.generator, SeedStream)]
     if batched:
         p = probs_by_settings(logits[batched], [rows[b].settings for b in batched])
-        u = row_uniforms([rows[b].generator for b in batched], (1, 1), p)
-        tokens[batched] = sample_rows(p, 1, None, u)[:, 0]
+        tokens[batched] = sample_each(p, [rows[b].generator for b in batched])
     for b, row in enumerate(rows):
         if not row.greedy and isinstance(row.generator, SeedStream):
             p = process_logits(logits[b : b + 1], **row.settings)
@@ -624,8 +623,8 @@ class BatchedSpeculativeDecoder:
                 draw = [b for b in range(nb) if chain[b] and growing[b] and depth <= lims[b]]
                 drawn = {}
                 if draw:
-                    u = row_uniforms([rows[b].generator for b in draw], (1, 1), qs[draw[0]])
-                    tokens = sample_rows(torch.cat([qs[b] for b in draw]), 1, None, u)[:, 0].tolist()
+                    q_draw = torch.cat([qs[b] for b in draw])
+                    tokens = sample_each(q_draw, [rows[b].generator for b in draw]).tolist()
                     drawn = dict(zip(draw, tokens, strict=True))
                 feed = []  # (row, level) pairs the draft processes at this depth
                 for b, r in enumerate(rows):

@@ -30,7 +30,7 @@ from resispec.decoding.kv_cache import (
 )
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.tree import DraftTree
-from resispec.sampling import SeedStream, is_greedy, row_uniforms, sample_at, sample_rows
+from resispec.sampling import SeedStream, is_greedy, row_uniforms, sample_at, sample_each
 from resispec.verify.base import Proposal
 from resispec.verify.iid import verify_one_draw
 from resispec.verify.registry import VERIFIERS
@@ -239,8 +239,8 @@ def walk_one_draw_chains(
                 accepted[i].append(d + 1)
     full = [i for i in range(rows) if len(accepted[i]) == depth]  # every node accepted: the bonus token
     if full:
-        u = row_uniforms([generators[i] for i in full], (1, 1), p)
-        for i, tok in zip(full, sample_rows(p[full, depth], 1, None, u)[:, 0].tolist(), strict=True):
+        bonus = sample_each(p[full, depth], [generators[i] for i in full]).tolist()
+        for i, tok in zip(full, bonus, strict=True):
             runs[i].append(tok)
     return list(zip(runs, accepted, strict=True))
 

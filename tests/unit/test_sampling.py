@@ -122,9 +122,9 @@ def test_standard_gumbel_law():
 
 def test_rows_sampled_together_equal_rows_sampled_alone():
     """The batched decoder samples many rows at once (probs_by_settings, row_uniforms, sample_rows with given
-    uniforms): every row gets, bit for bit, the probabilities and the token it gets alone with its own settings and
-    generator."""
-    from resispec.sampling import probs_by_settings, row_uniforms, sample_rows
+    uniforms, sample_each): every row gets, bit for bit, the probabilities and the token it gets alone with its own
+    settings and generator."""
+    from resispec.sampling import probs_by_settings, row_uniforms, sample_each, sample_rows
 
     logits = torch.randn(5, 3, 300, generator=torch.Generator().manual_seed(0)) * 3
     settings = [
@@ -142,6 +142,7 @@ def test_rows_sampled_together_equal_rows_sampled_alone():
     u = row_uniforms(gens, (1, 1), flat)
     assert u.shape == (5, 1) and u.dtype == flat.dtype
     drawn = sample_rows(flat, 1, None, u)[:, 0]
+    each = sample_each(flat, [torch.Generator().manual_seed(10 + i) for i in range(5)])
     for i in range(5):
         alone = sample_rows(flat[i : i + 1], 1, torch.Generator().manual_seed(10 + i))[0, 0]
-        assert drawn[i] == alone
+        assert drawn[i] == alone == each[i]
