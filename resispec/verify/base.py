@@ -14,6 +14,7 @@ Conventions (every rule follows them, the decoder relies on them):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -171,6 +172,25 @@ def sample_weights(
     probability 1 in exact arithmetic); it samples from `fallback` [B, V] instead of failing."""
     total = weights.sum(-1, keepdim=True)  # [B, 1]
     return sample_rows(torch.where(total > 0, weights, fallback), 1, generator, u)[:, 0]
+
+
+def sample_rejected(
+    accepted: Tensor,
+    weights: Callable[[], Tensor],
+    generator: torch.Generator | None,
+    fallback: Tensor,
+    u: Tensor | None = None,
+) -> Tensor:
+    """sample_weights(weights(), generator, fallback, u): the token [B] each row emits if its draws were all
+    rejected (accepted [B] bool: a draw of the row was accepted), to be discarded where one was. On CPU, when every
+    row accepted (a host check that costs nothing there; on a GPU it would be a sync), the [B, V] weights are not
+    built and -1 stands for every row; the rejection sample's uniforms are still drawn, so the random stream, and
+    every later draw, is the full computation's."""
+    if accepted.device.type == "cpu" and bool(accepted.all()):
+        if u is None:
+            uniform((accepted.shape[0], 1), fallback, generator)
+        return torch.full(accepted.shape, -1, dtype=torch.long)
+    return sample_weights(weights(), generator, fallback, u)
 
 
 def draw_iid(q: Tensor, n: int, generator: torch.Generator | None) -> Tensor:

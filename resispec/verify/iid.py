@@ -36,10 +36,19 @@ from resispec.verify.base import (
     check_pair,
     draw_iid,
     first_slot,
-    sample_weights,
+    sample_rejected,
     uniform,
 )
-from resispec.verify.ratio import DirectMass, HistogramProfile, HostRatioProfile, RatioProfile, build_profile
+from resispec.verify.ratio import (
+    HistogramProfile,
+    HostHistogramProfile,
+    HostRatioProfile,
+    RatioProfile,
+    build_profile,
+    direct_mass,
+    histogram_profile,
+    on_host,
+)
 
 
 def bisection_steps(dtype: torch.dtype) -> int:
@@ -78,9 +87,10 @@ def greedy_masses(p: Tensor, q: Tensor, n: int) -> Tensor:
 
 
 # The solvers and the shaped plan run on a profile's own arrays: torch tensors (RatioProfile, HistogramProfile,
-# DirectMass) or, for the decoder's one-node calls on CPU, numpy (HostRatioProfile): the same code, written with
-# the operators and methods both share, and `_xp` for the few functions that differ by module.
-Profile = RatioProfile | HostRatioProfile | HistogramProfile
+# DirectMass) or, for the decoder's one-node calls on CPU, numpy (HostRatioProfile, HostHistogramProfile,
+# HostDirectMass): the same code, written with the operators and methods both share, and `_xp` for the few
+# functions that differ by module.
+Profile = RatioProfile | HostRatioProfile | HistogramProfile | HostHistogramProfile
 
 
 def _xp(x):
@@ -300,9 +310,13 @@ def verify_sequential(
     c = torch.cat([plan.caps(w[:, :last]), tail[:, None]], -1)  # [B, n]
     ok = valid & (u * mu < c)  # [B, n]
     first = ok.to(torch.uint8).argmax(-1, keepdim=True)  # the first True (argmax returns the first maximum)
-    residual = (p - plan.used_mass(p, q) - mu[:, last, None] * q).clamp_min(0)  # m_{n+1} [B, V]
-    fallback = sample_weights(residual, generator, p)
-    token = torch.where(ok.any(-1), tokens.gather(-1, first)[:, 0], fallback)
+    accepted = ok.any(-1)
+
+    def residual() -> Tensor:  # m_{n+1} [B, V]
+        return (p - plan.used_mass(p, q) - mu[:, last, None] * q).clamp_min(0)
+
+    fallback = sample_rejected(accepted, residual, generator, p)
+    token = torch.where(accepted, tokens.gather(-1, first)[:, 0], fallback)
     return token, first_slot(tokens, token)
 
 
@@ -330,7 +344,7 @@ def verify_one_draw(
     u_accept, u_residual = uniforms or (uniform((p.shape[0], 1), p, generator), None)
     # u mu_1 < min(mu_1, w)  <=>  u mu_1 q(x) < p(x) (u < 1; a drawn x has q(x) > 0)
     ok = valid & (u_accept * mu_q * q.gather(-1, ids) < p.gather(-1, ids))[:, 0]
-    fallback = sample_weights((p - mu_q * q).clamp_min(0), generator, p, u_residual)
+    fallback = sample_rejected(ok, lambda: (p - mu_q * q).clamp_min(0), generator, p, u_residual)
     token = torch.where(ok, draws, fallback)
     return token, torch.where(valid & (token == draws), 0, -1)
 
@@ -417,7 +431,10 @@ class KseqRule(_IidRule):
         n = proposal.num_draws
         if n == 1:  # rho* = 1: the scaled plan IS the chain plan, no solve
             return verify_one_draw(p, proposal, generator)
-        rho = solve_kseq_rho(p, proposal.q, n)
+        # one row on CPU (the decoder's nodes): rho* located on a histogram (ResiSpecRule.verify); the plan's
+        # masses are exact (scaled_plan), so a rho off by a bin costs acceptance only
+        profile = histogram_profile(p, proposal.q, float(n)) if on_host(p) else None
+        rho = solve_kseq_rho(p, proposal.q, n, profile)
         return verify_sequential(p, proposal, scaled_plan(p, proposal.q, n, rho), generator)
 
     def acceptance(self, p: Tensor, q: Tensor, n: int) -> Tensor:
@@ -434,9 +451,10 @@ class ResiSpecRule(_IidRule):
     # loses at most (n - 1) 2^-14 < 2e-4 against T*, and the solve of one node costs 2 grid rounds of 127 points
     # instead of 4 (float32) or 7 (float64). acceptance() (losses, reports) keeps the full precision.
     verify_halvings = 14
-    # from this vocabulary size verify() locates T* on a histogram of p/q (ratio.HistogramProfile: O(V), no sort,
-    # T within a bin width n / 16384 of the profile's, i.e. < 3e-4 acceptance at n = 4) and builds the plan on exact
-    # masses; below it the sorted profile is as cheap
+    # verify() locates T* on a histogram of p/q (ratio.HistogramProfile: O(V), no sort, T within a bin width
+    # n / 16384 of the profile's, i.e. < 3e-4 acceptance at n = 4) and builds the plan on exact masses, for one row
+    # on CPU at every V (numpy: the decoder's nodes, where the sort was the largest part of a node's cost) and for
+    # batches from this vocabulary size; batches below it take the sorted profile, as cheap there
     histogram_min_vocab = 32768
 
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
@@ -445,12 +463,12 @@ class ResiSpecRule(_IidRule):
         if n == 1:  # the last draw is greedy whatever T: one draw IS the chain rule
             return verify_one_draw(p, proposal, generator)
         q = proposal.q
-        if p.shape[-1] >= self.histogram_min_vocab:
-            # large V: locate T* on a histogram (O(V), no sort), build the plan on exact masses (O(nV))
-            t = solve_resispec_T(p, q, n, HistogramProfile.build(p, q, float(n)), steps=self.verify_halvings)
-            plan = shaped_plan(p, q, n, t, DirectMass.build(p, q))
+        if on_host(p) or p.shape[-1] >= self.histogram_min_vocab:
+            # locate T* on a histogram (O(V), no sort), build the plan on exact masses (O(nV))
+            t = solve_resispec_T(p, q, n, histogram_profile(p, q, float(n)), steps=self.verify_halvings)
+            plan = shaped_plan(p, q, n, t, direct_mass(p, q))
         else:
-            profile = build_profile(p, q)  # numpy for one node on CPU (the decoder's calls)
+            profile = RatioProfile.build(p, q)
             t = solve_resispec_T(p, q, n, profile, steps=self.verify_halvings)
             plan = shaped_plan(p, q, n, t, profile)
         return verify_sequential(p, proposal, plan, generator)

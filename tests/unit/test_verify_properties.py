@@ -190,10 +190,10 @@ def test_resispec_verify_solve_precision():
 
 @pytest.mark.parametrize("dtype,vocab", [(torch.float64, 300), (torch.float32, 300), (torch.float32, 8192)])
 def test_host_profile_matches_the_torch_profile(dtype, vocab):
-    """One row on CPU (the decoder's verify calls) runs the solvers and the shaped plan on numpy
-    (HostRatioProfile): F, T*, rho* and the plan's masses equal the torch profile's, and so do the verified
-    tokens, draw for draw. Rows with q = 0 and p = 0 entries; float32 at large V takes the packed-key sort."""
-    from resispec.verify.iid import ResiSpecRule, shaped_plan, verify_sequential
+    """One row on CPU runs the solvers and the shaped plan on numpy (HostRatioProfile, what acceptance() builds for
+    one row): F, T*, rho* and the plan's masses equal the torch profile's. Rows with q = 0 and p = 0 entries;
+    float32 at large V takes the packed-key sort."""
+    from resispec.verify.iid import ResiSpecRule, shaped_plan
     from resispec.verify.ratio import HostRatioProfile, build_profile
 
     p_all, q_all = random_pairs(6, vocab, seed=15, dtype=dtype)
@@ -223,11 +223,99 @@ def test_host_profile_matches_the_torch_profile(dtype, vocab):
             plan_h, plan_t = shaped_plan(p, q, n, t_star, host), shaped_plan(p, q, n, t_star, ref)
             for name in ("mu", "lo", "hi", "bottom", "top"):
                 torch.testing.assert_close(getattr(plan_h, name), getattr(plan_t, name), rtol=0, atol=1e-12)
-            proposal = VERIFIERS["resispec"].propose(q, n, torch.Generator().manual_seed(row))
-            for seed in range(20):
-                got = VERIFIERS["resispec"].verify(p, proposal, torch.Generator().manual_seed(seed))
-                want = verify_sequential(p, proposal, plan_t, torch.Generator().manual_seed(seed))
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype,vocab", [(torch.float64, 300), (torch.float32, 300), (torch.float32, 8192)])
+def test_host_histogram_matches_the_torch_histogram(dtype, vocab):
+    """One row on CPU (the decoder's verify calls) locates T* and rho* on a numpy histogram (HostHistogramProfile)
+    and builds the plan on numpy masses (HostDirectMass): F equals the torch histogram's at the same bins, and the
+    masses DirectMass's; the T it locates at the default bins is within a few bin widths of the sorted profile's
+    T*; resispec's and kseq's verified tokens equal, draw for draw, the torch path's on the same T and rho."""
+    from resispec.verify.iid import ResiSpecRule, scaled_plan, shaped_plan, verify_sequential
+    from resispec.verify.ratio import (
+        DirectMass,
+        HistogramProfile,
+        HostDirectMass,
+        HostHistogramProfile,
+        direct_mass,
+        histogram_profile,
+    )
+
+    p_all, q_all = random_pairs(6, vocab, seed=16, dtype=dtype)
+    assert isinstance(histogram_profile(p_all, q_all, 4.0), HistogramProfile)  # a batch
+    assert isinstance(direct_mass(p_all, q_all), DirectMass)
+    tol = dict(rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
+    for row in range(p_all.shape[0]):
+        p, q = p_all[row : row + 1], q_all[row : row + 1]
+        assert isinstance(histogram_profile(p, q, 4.0), HostHistogramProfile)
+        assert isinstance(direct_mass(p, q), HostDirectMass)
+        assert isinstance(histogram_profile(p.bfloat16(), q.bfloat16(), 4.0), HistogramProfile)
+        for n in (2, 4):
+            bins = min(vocab, 4096)  # the torch profile caps its bins at V
+            host, ref = (
+                HostHistogramProfile.build(p, q, float(n), bins),
+                HistogramProfile.build(p, q, float(n), bins),
+            )
+            t = torch.linspace(0, n, 37, dtype=torch.float64)[None]  # edges and points between them
+            torch.testing.assert_close(
+                torch.from_numpy(host.capped_mass(t.numpy())), ref.capped_mass(t), **tol
+            )
+            exact = DirectMass.build(p, q)
+            for t1 in (0.0, 0.3, 1.0, 2.5):
+                t1 = torch.tensor([t1], dtype=torch.float64)
+                got = torch.from_numpy(HostDirectMass.build(p, q).capped_mass(t1.numpy()))
+                torch.testing.assert_close(got, exact.capped_mass(t1), rtol=0, atol=1e-12)
+            fine = histogram_profile(p, q, float(n))  # the default bins, what verify() builds
+            t_star = solve_resispec_T(p, q, n)
+            t_hist = solve_resispec_T(p, q, n, fine, steps=ResiSpecRule.verify_halvings)
+            assert (t_hist - t_star).abs().item() <= 4 * n / 16384 + (
+                n - 1
+            ) * 2.0**-ResiSpecRule.verify_halvings
+            rho = solve_kseq_rho(p, q, n, fine)
+            assert (rho - solve_kseq_rho(p, q, n)).abs().item() <= 4 * n / 16384
+            plans = {
+                "resispec": shaped_plan(p, q, n, t_hist, DirectMass.build(p, q)),
+                "kseq": scaled_plan(p, q, n, rho),
+            }
+            for name, plan in plans.items():
+                proposal = VERIFIERS[name].propose(q, n, torch.Generator().manual_seed(row))
+                for seed in range(20):
+                    gen_got, gen_want = (
+                        torch.Generator().manual_seed(seed),
+                        torch.Generator().manual_seed(seed),
+                    )
+                    got = VERIFIERS[name].verify(p, proposal, gen_got)
+                    want = verify_sequential(p, proposal, plan, gen_want)
+                    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (name, n, seed)
+
+
+def test_sample_rejected_skips_the_residual_but_not_its_uniforms():
+    """base.sample_rejected: where every row accepted (on CPU) the residual is never built, yet the generator
+    advances exactly as the full rejection sample's, so every later draw of the step is unchanged; where a row
+    rejected it IS sample_weights; uniforms passed in are never redrawn."""
+    from resispec.verify.base import sample_rejected, sample_weights
+
+    p, q = random_pairs(3, 50, seed=17, dtype=torch.float32)
+    built = []
+
+    def residual():
+        built.append(1)
+        return (p - 0.5 * q).clamp_min(0)
+
+    for accepted in (torch.tensor([True, True, True]), torch.tensor([True, False, True])):
+        gen_got, gen_want = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        got = sample_rejected(accepted, residual, gen_got, p)
+        want = sample_weights(residual(), gen_want, p)
+        assert torch.equal(torch.rand(4, generator=gen_got), torch.rand(4, generator=gen_want))
+        if accepted.all():
+            assert len(built) == 1 and (got == -1).all()  # only the reference built it
+        else:
+            assert torch.equal(got, want)
+    gen = torch.Generator().manual_seed(3)
+    state = gen.get_state()
+    u = torch.rand(3, 1)
+    sample_rejected(torch.tensor([True] * 3), residual, gen, p, u)
+    assert torch.equal(gen.get_state(), state)
 
 
 def test_histogram_profile_is_exact_at_bin_edges_and_locates_T():
