@@ -24,7 +24,7 @@ needed per draw; the full [B, V] residual is built once, for the rejection sampl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -212,17 +212,18 @@ class WindowPlan:
     bottom: Tensor
     top: Tensor
 
+    # the methods take torch tensors or numpy arrays alike (verify_sequential's one-row path, `host_plan`)
     def caps(self, w: Tensor) -> Tensor:
         """c_1..c_{n-1}, each at its draw's ratio: w [B, n - 1] -> [B, n - 1]."""
-        return (torch.minimum(w, self.hi) - self.lo).clamp_min(0)
+        return (_xp(w).minimum(w, self.hi) - self.lo).clip(min=0)
 
     def used(self, w: Tensor) -> Tensor:
         """L_n(w) = sum of the caps before the last draw, at w [B] -> [B]."""
-        return (torch.minimum(w, self.top) - self.bottom).clamp_min(0)
+        return (_xp(w).minimum(w, self.top) - self.bottom).clip(min=0)
 
     def used_mass(self, p: Tensor, q: Tensor) -> Tensor:
         """q * L_n(w) over the vocabulary, [B, V] (no division by q)."""
-        return (torch.minimum(p, self.top[:, None] * q) - self.bottom[:, None] * q).clamp_min(0)
+        return (_xp(p).minimum(p, self.top[:, None] * q) - self.bottom[:, None] * q).clip(min=0)
 
 
 @dataclass
@@ -234,13 +235,18 @@ class ScaledPlan:
     rho: Tensor
 
     def caps(self, w: Tensor) -> Tensor:
-        return self.nu * torch.clamp(w / self.rho[:, None], max=1)
+        return self.nu * (w / self.rho[:, None]).clip(max=1)
 
     def used(self, w: Tensor) -> Tensor:
-        return self.nu.sum(-1) * torch.clamp(w / self.rho, max=1)
+        return self.nu.sum(-1) * (w / self.rho).clip(max=1)
 
     def used_mass(self, p: Tensor, q: Tensor) -> Tensor:
-        return (self.nu.sum(-1) / self.rho)[:, None] * torch.minimum(p, self.rho[:, None] * q)
+        return (self.nu.sum(-1) / self.rho)[:, None] * _xp(p).minimum(p, self.rho[:, None] * q)
+
+
+def host_plan(plan: WindowPlan | ScaledPlan) -> WindowPlan | ScaledPlan:
+    """The plan with its CPU tensors as numpy arrays (shared memory, no copy)."""
+    return replace(plan, **{f.name: getattr(plan, f.name).numpy() for f in fields(plan)})
 
 
 def greedy_plan(p: Tensor, q: Tensor, n: int) -> WindowPlan:
@@ -290,31 +296,55 @@ def scaled_plan(p: Tensor, q: Tensor, n: int, rho: Tensor) -> ScaledPlan:
     return ScaledPlan(mu=torch.stack(mus, -1), nu=nu_t, rho=rho)
 
 
-@torch.no_grad()
-def verify_sequential(
-    p: Tensor, proposal: Proposal, plan, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
-    """Run a plan on the draws (module docstring). p [B, V] -> token [B], slot [B]."""
-    tokens, q = proposal.token_ids, proposal.q  # [B, n], [B, V]
+def _take(x, ids):
+    """x[b, ids[b, j]] for torch tensors or numpy arrays: [B, V], [B, k] -> [B, k]."""
+    return np.take_along_axis(x, ids, -1) if isinstance(x, np.ndarray) else x.gather(-1, ids)
+
+
+def _accept_tests(p, tokens, q, u, plan):
+    """The tests of verify_sequential, on torch tensors or numpy arrays alike (the same elementwise float ops, so
+    the same bits): p, q [B, V], tokens [B, n], u [B, n] -> (accepted [B]: some draw accepted, first [B, 1]: the
+    first draw that accepted, residual() -> m_{n+1} [B, V])."""
+    xp = _xp(p)
     n = tokens.shape[-1]
     valid = tokens >= 0
-    ids = tokens.clamp_min(0)
-    px, qx = p.gather(-1, ids), q.gather(-1, ids)  # [B, n]
-    w = torch.where(qx > 0, px / torch.where(qx > 0, qx, torch.ones_like(qx)), torch.zeros_like(qx))
-    u = uniform(tuple(tokens.shape), p, generator)  # [B, n]
+    ids = tokens.clip(min=0)
+    px, qx = _take(p, ids), _take(q, ids)  # [B, n]
+    w = xp.where(qx > 0, px / xp.where(qx > 0, qx, xp.ones_like(qx)), xp.zeros_like(qx))
     mu = plan.mu  # [B, n]
     last = n - 1
     # every draw's cap at once: the plan's for draws 1..n-1; the greedy last draw takes all that is left of x, up
     # to mu_n. Draw i accepts when u_i mu_i < c_i; the first draw that accepts is the emitted one.
-    tail = torch.minimum(mu[:, last], w[:, last] - plan.used(w[:, last]))
-    c = torch.cat([plan.caps(w[:, :last]), tail[:, None]], -1)  # [B, n]
+    tail = xp.minimum(mu[:, last], w[:, last] - plan.used(w[:, last]))
+    c = xp.concatenate([plan.caps(w[:, :last]), tail[:, None]], -1)  # [B, n]
     ok = valid & (u * mu < c)  # [B, n]
-    first = ok.to(torch.uint8).argmax(-1, keepdim=True)  # the first True (argmax returns the first maximum)
-    accepted = ok.any(-1)
+    # the first True: argmax returns the first maximum (torch's needs numbers)
+    first = ok.argmax(-1)[:, None] if xp is np else ok.to(torch.uint8).argmax(-1, keepdim=True)
 
-    def residual() -> Tensor:  # m_{n+1} [B, V]
-        return (p - plan.used_mass(p, q) - mu[:, last, None] * q).clamp_min(0)
+    def residual():
+        return (p - plan.used_mass(p, q) - mu[:, last, None] * q).clip(min=0)
 
+    return ok.any(-1), first, residual
+
+
+@torch.no_grad()
+def verify_sequential(
+    p: Tensor, proposal: Proposal, plan, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """Run a plan on the draws (module docstring). p [B, V] -> token [B], slot [B].
+    One row on CPU (the decoder's nodes) runs the tests on numpy: the same ops and bits in ~30 calls that cost
+    a fraction of torch's few microseconds each; the uniforms, and the rejection sample, stay torch's."""
+    tokens, q = proposal.token_ids, proposal.q  # [B, n], [B, V]
+    u = uniform(tuple(tokens.shape), p, generator)  # [B, n]
+    if on_host(p):
+        arrays = (x.detach().numpy() for x in (p, tokens, q, u))
+        ok, first, residual = _accept_tests(*arrays, host_plan(plan))
+        fallback = sample_rejected(torch.from_numpy(ok), lambda: torch.from_numpy(residual()), generator, p)
+        tokens_row = tokens[0].tolist()
+        token = tokens_row[int(first[0, 0])] if ok[0] else int(fallback[0])
+        slot = tokens_row.index(token) if token in tokens_row else -1
+        return torch.tensor([token]), torch.tensor([slot])
+    accepted, first, residual = _accept_tests(p, tokens, q, u, plan)
     fallback = sample_rejected(accepted, residual, generator, p)
     token = torch.where(accepted, tokens.gather(-1, first)[:, 0], fallback)
     return token, first_slot(tokens, token)
@@ -453,8 +483,8 @@ class ResiSpecRule(_IidRule):
     verify_halvings = 14
     # verify() locates T* on a histogram of p/q (ratio.HistogramProfile: O(V), no sort, T within a bin width
     # n / 16384 of the profile's, i.e. < 3e-4 acceptance at n = 4) and builds the plan on exact masses, for one row
-    # on CPU at every V (numpy: the decoder's nodes, where the sort was the largest part of a node's cost) and for
-    # batches from this vocabulary size; batches below it take the sorted profile, as cheap there
+    # on CPU at every V (numpy, 1024 bins: the decoder's nodes, where the sort was the largest part of a node's
+    # cost) and for batches from this vocabulary size; batches below it take the sorted profile, as cheap there
     histogram_min_vocab = 32768
 
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
