@@ -53,8 +53,8 @@ def compact_cache(cache: DynamicCache, start: int, keep_ids: torch.Tensor) -> No
     block. No re-encoding: the accepted rows are moved down with one gather per layer, then the cache is truncated.
     """
     num_keep = int(keep_ids.numel())
+    sel = keep_ids + start  # [K]
     for layer in _layers(cache):
-        sel = keep_ids + start  # [K]
         # advanced indexing copies first, so the overlapping write below is safe
         layer.keys[..., start : start + num_keep, :] = layer.keys.index_select(-2, sel)
         layer.values[..., start : start + num_keep, :] = layer.values.index_select(-2, sel)

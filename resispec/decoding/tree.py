@@ -2,11 +2,14 @@
 
 Nodes are stored in breadth-first order; node 0 is the root (the last committed token), depth d occupies
 `level_starts[d]:level_starts[d+1]`. Repeated i.i.d. draws of one node share one child node. `ancestors[i, j]`
-is True when node j is node i or one of its ancestors: that is the tree attention mask.
+is True when node j is node i or one of its ancestors: that is the tree attention mask. It is a numpy array
+(each level's update is a few index ops, a microsecond each where torch's cost several); `mask` hands out torch
+views of it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -36,7 +39,7 @@ class DraftTree:
         self.depths: list[int] = [0]
         self.children: list[dict[int, int]] = [{}]
         self.level_starts: list[int] = [0, 1]
-        self.ancestors = torch.zeros(max_nodes + 1, max_nodes + 1, dtype=torch.bool)  # [N+1, N+1] on CPU
+        self.ancestors = np.zeros((max_nodes + 1, max_nodes + 1), dtype=bool)  # [N+1, N+1]
         self.ancestors[0, 0] = True
 
     @property
@@ -71,14 +74,14 @@ class DraftTree:
         if end == start:  # no child anywhere (every slot empty): the tree stops one level up
             return range(start, end)
         self.level_starts.append(end)
-        idx = torch.arange(start, end)
-        self.ancestors[idx] = self.ancestors[torch.tensor(new_parents, dtype=torch.long)]
+        idx = np.arange(start, end)
+        self.ancestors[start:end] = self.ancestors[new_parents]
         self.ancestors[idx, idx] = True
         return range(start, end)
 
     def mask(self, rows: range, cols: range) -> torch.Tensor:
-        """Block of the ancestor mask [len(rows), len(cols)]."""
-        return self.ancestors[rows.start : rows.stop, cols.start : cols.stop]
+        """Block of the ancestor mask [len(rows), len(cols)], a CPU torch view (shares memory with the tree)."""
+        return torch.from_numpy(self.ancestors[rows.start : rows.stop, cols.start : cols.stop])
 
     def path_to(self, node: int) -> list[int]:
         """Non-root nodes from depth 1 down to `node` (empty for the root)."""
