@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -263,6 +264,22 @@ class HostHistogramProfile:
     def capped_mass(self, t: np.ndarray) -> np.ndarray:
         """F(t) for t [1] or [1, K] in [0, upper] (float64) -> same shape."""
         return np.interp(t, self.edges, self.f_edges)
+
+    def scalar_capped_mass(self) -> Callable[[float], float]:
+        """F as a function of one Python float (t >= 0): the same edges and linear interpolation as capped_mass, at
+        ~0.1 us a call where a numpy call costs ~2 us; what the one-row solvers bisect with (iid.py)."""
+        f = self.f_edges.tolist()
+        bins = len(f) - 1
+        per_unit = bins / float(self.edges[-1])
+
+        def capped_mass(t: float) -> float:
+            x = t * per_unit
+            j = int(x)
+            if j >= bins:
+                return f[bins]
+            return f[j] + (x - j) * (f[j + 1] - f[j])
+
+        return capped_mass
 
 
 @dataclass

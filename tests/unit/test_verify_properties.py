@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -266,6 +268,17 @@ def test_host_histogram_matches_the_torch_histogram(dtype, vocab):
                 got = torch.from_numpy(HostDirectMass.build(p, q).capped_mass(t1.numpy()))
                 torch.testing.assert_close(got, exact.capped_mass(t1), rtol=0, atol=1e-12)
             fine = histogram_profile(p, q, float(n))  # the default bins, what verify() builds
+            # its solves bisect on Python floats (scalar_capped_mass); the array solvers on the same F agree
+            arrays = SimpleNamespace(capped_mass=fine.capped_mass, total=fine.total)
+            for solver, steps in ((solve_resispec_T, ResiSpecRule.verify_halvings), (solve_kseq_rho, None)):
+                bracket = (n - 1) * 2.0 ** -(steps or 26)
+                got, want = solver(p, q, n, fine, steps=steps), solver(p, q, n, arrays, steps=steps)
+                assert (got - want).abs().item() <= bracket * 1.001, solver.__name__
+            edges_t = [0.0, 0.37, 1.0, 2.5, float(n), n + 1.0]
+            scalar = fine.scalar_capped_mass()
+            assert [scalar(x) for x in edges_t] == pytest.approx(
+                fine.capped_mass(np.array(edges_t)).tolist(), rel=0, abs=1e-12
+            )
             t_hist = solve_resispec_T(p, q, n, fine, steps=ResiSpecRule.verify_halvings)
             rho = solve_kseq_rho(p, q, n, fine)
             plans = {
