@@ -521,10 +521,10 @@ class ResiSpecRule(_IidRule):
     # loses at most (n - 1) 2^-14 < 2e-4 against T*, and the solve of one node costs 2 grid rounds of 127 points
     # instead of 4 (float32) or 7 (float64). acceptance() (losses, reports) keeps the full precision.
     verify_halvings = 14
-    # verify() locates T* on a histogram of p/q (ratio.HistogramProfile: O(V), no sort, T within a bin width
-    # n / 16384 of the profile's, i.e. < 3e-4 acceptance at n = 4) and builds the plan on exact masses, for one row
-    # on CPU at every V (numpy, 1024 bins: the decoder's nodes, where the sort was the largest part of a node's
-    # cost) and for batches from this vocabulary size; batches below it take the sorted profile, as cheap there
+    # verify() locates T* on a histogram of p/q (ratio.HistogramProfile: O(V), no sort, no acceptance lost:
+    # ratio.HISTOGRAM_BINS) and builds the plan on exact masses, for one row on CPU at every V (numpy, T bisected
+    # on Python floats: the decoder's nodes, where the sort was the largest part of a node's cost) and for batches
+    # from this vocabulary size; batches below it take the sorted profile
     histogram_min_vocab = 32768
 
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):

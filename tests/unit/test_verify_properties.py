@@ -368,8 +368,9 @@ def test_sample_rejected_skips_the_residual_but_not_its_uniforms():
 
 
 def test_histogram_profile_is_exact_at_bin_edges_and_locates_T():
-    """HistogramProfile: F exact at bin edges (and within width x bin mass between them); the T* it locates is
-    within a few bin widths of the sorted profile's; DirectMass is F itself."""
+    """HistogramProfile: F exact at bin edges (and within width x bin mass between them); the plan on the T it
+    locates (default bins, verify()'s halvings) accepts what the closed form says; DirectMass is F itself."""
+    from resispec.verify.iid import ResiSpecRule, shaped_plan
     from resispec.verify.ratio import DirectMass, HistogramProfile
 
     p, q = random_pairs(8, 300, seed=14)
@@ -385,8 +386,11 @@ def test_histogram_profile_is_exact_at_bin_edges_and_locates_T():
     assert ((hist.capped_mass(t) - mid).abs() <= n / bins + 1e-12).all()
     torch.testing.assert_close(DirectMass.build(p, q).capped_mass(t[:, 0]), mid[:, 0], rtol=0, atol=1e-12)
     fine = HistogramProfile.build(p, q, float(n))  # the default bins
-    t_hist = solve_resispec_T(p, q, n, fine, steps=20)
-    assert ((t_hist - solve_resispec_T(p, q, n)).abs() <= 4 * n / fine.bins).all()
+    t_hist = solve_resispec_T(p, q, n, fine, steps=ResiSpecRule.verify_halvings)
+    plan = shaped_plan(p, q, n, t_hist, DirectMass.build(p, q))
+    residual = (p - plan.used_mass(p, q) - plan.mu[:, -1:] * q).clamp_min(0)
+    want = VERIFIERS["resispec"].acceptance(p, q, n)
+    assert ((p.sum(-1) - residual.sum(-1) - want).abs() <= 1e-4).all()
 
 
 def test_float32_and_float64_agree():
