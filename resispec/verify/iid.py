@@ -153,7 +153,8 @@ def solve_resispec_T(
     evaluates g at 2^k - 1 points of the bracket in one pass (O(n log V) per point; k = 7 for small batches) and
     keeps the cell where g changes sign, i.e. k bisection steps at once. `steps` counts bisection-equivalent halvings. p, q [B, V] -> [B].
     Returns the upper end of the final bracket (g >= 0), in p's dtype. Any profile of iid.py's `Profile`; the
-    default is `build_profile(p, q)` (numpy for one row on CPU)."""
+    default is `build_profile(p, q)` (numpy for one row on CPU). On a HostHistogramProfile (one row, what verify()
+    builds there) the same bracket comes from bisection on Python floats (`_bisect`)."""
     check_pair(p, q)
     check_draws(n)
     profile = profile or build_profile(p, q)
@@ -518,8 +519,9 @@ class ResiSpecRule(_IidRule):
 
     name = "resispec"
     # Halvings of the T* bracket at verification time. Exactness holds for ANY T (module docstring); acceptance
-    # loses at most (n - 1) 2^-14 < 2e-4 against T*, and the solve of one node costs 2 grid rounds of 127 points
-    # instead of 4 (float32) or 7 (float64). acceptance() (losses, reports) keeps the full precision.
+    # loses at most (n - 1) 2^-14 < 2e-4 against T*, and the solve costs 2 grid rounds of 127 points (batches) or
+    # 14 scalar bisection steps (one row) instead of 4 rounds (float32) or 7 (float64). acceptance() (losses,
+    # reports) keeps the full precision.
     verify_halvings = 14
     # verify() locates T* on a histogram of p/q (ratio.HistogramProfile: O(V), no sort, no acceptance lost:
     # ratio.HISTOGRAM_BINS) and builds the plan on exact masses, for one row on CPU at every V (numpy, T bisected
