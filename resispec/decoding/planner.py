@@ -565,15 +565,31 @@ class Planner:
         sampling: dict,
         batch_sizes: Sequence[int],
         auto_policy=None,
+        threads_at=None,
     ) -> dict[int, Plan]:
         """The planned tree of `rule` for `draft` at each batch size (the batched decoder: every row drafts its
         tree, one draft forward per depth and one target forward for all rows). The acceptance is per row, so
         one calibration serves every size; the forward times are measured at each size, and the per-row host
         work is measured at each size (measure_batch_overhead) and the verification scales with the rows. A plan
-        whose predicted speedup is at most 1 says: at this batch size, do not speculate."""
+        whose predicted speedup is at most 1 says: at this batch size, do not speculate. `threads_at` (batch size ->
+        torch threads; None: torch's setting): each size is timed on the threads it will decode on."""
+        initial_threads = torch.get_num_threads()
+        try:
+            return self._choose_by_batch(draft, rule, sampling, batch_sizes, auto_policy, threads_at)
+        finally:
+            torch.set_num_threads(initial_threads)
+
+    def _choose_by_batch(
+        self, draft, rule, sampling, batch_sizes, auto_policy, threads_at
+    ) -> dict[int, Plan]:
         from resispec.verify import build_rule
 
+        def on_threads_of(batch: int) -> None:
+            if threads_at is not None:
+                torch.set_num_threads(threads_at(batch))
+
         settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
+        on_threads_of(1)  # the verification timings below and the batch-1 forward table
         cost = self.cost_for(draft)
         # each prompt's nodes once: the calibration scores them, and the first prompt's time the verification
         node_sets = [
@@ -602,6 +618,7 @@ class Planner:
             cost.root_verify_extra_ms = {n: max(cold[n] - cost.verify_ms[n] - base, 0.0) for n in cold}
         plans = {}
         for b in batch_sizes:
+            on_threads_of(b)
             at_b = self.cost_for(draft, b)
             at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
             at_b.verify_row_ms = cost.verify_row_ms * b

@@ -27,9 +27,12 @@ class ServerConfig:
     # least one request). While others run, one such block joins per step boundary, so running streams stall for
     # at most one prefill forward of this size (one request at a time: set it to 1)
     max_prefill_tokens: int = 2048
-    # torch threads of the decoding thread; null = all cores but one, left to the event loop that streams the
-    # tokens (on 2 cores, 2 torch threads fighting the event loop made batched steps ~2x slower: recipes/vllm)
+    # torch threads of the decoding thread; null = all cores (all but one on the HF forward: serving_threads)
     num_threads: int | None = None
+    # while fewer requests than this run, decoding uses one thread fewer and leaves that core to the HTTP frontend
+    # and the clients (0 = never). On 2 cores, out of process, at 1-4 clients one thread gave 1.22-1.35x the tokens/s
+    # of two; at 8-16 two threads gave 1.06-1.09x of one (recipes/vllm/README.md)
+    spare_core_below: int = 5
     max_tokens_default: int = 128  # when a request gives no max_tokens (capped by the context left)
     max_model_len: int | None = None  # context length; null = the smaller max_position_embeddings of the pair
     max_body_bytes: int = 2 * 1024 * 1024  # larger request bodies get 413 at once (a 128k-token prompt fits)

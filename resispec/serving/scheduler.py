@@ -186,12 +186,15 @@ class Scheduler:
         metrics=None,
         speculation: str = "auto",
         max_prefill_tokens: int = 2048,
+        threads_at=None,
     ) -> None:
         if speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {speculation!r}")
         if max_prefill_tokens < 1:
             raise ValueError(f"server.max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
         self.engine, self.metrics, self.speculation = engine, metrics, speculation
+        # running requests -> torch threads to decode on (server.threads_by_rows), set before each cycle
+        self.threads_at, self._threads = threads_at, None
         self.batched = getattr(engine, "batched", None) if max_batch_size > 1 else None
         self.max_batch_size = max_batch_size if self.batched is not None else 1
         self.kv_budget, self.max_queue, self.max_prefill_tokens = kv_budget, max_queue, max_prefill_tokens
@@ -314,11 +317,22 @@ class Scheduler:
         admits a whole wave at once is not measured."""
         t0 = time.perf_counter()
         self._prefill_seconds = 0.0
+        if self.threads_at is not None:
+            self._set_threads(min(len(self.tasks) + len(self.waiting), self.max_batch_size))
         admitted = self._admit()
         self._pure = None
         self._step()
         if self._pure is not None and admitted <= 1:
             self._measure(*self._pure, time.perf_counter() - t0 - self._prefill_seconds)
+
+    def _set_threads(self, rows: int) -> None:
+        """Torch's threads for a cycle of about `rows` requests (the running ones and those that may join)."""
+        import torch
+
+        threads = self.threads_at(max(rows, 1))
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
 
     def _admit(self) -> int:
         """Admit waiting jobs that fit, prefilled together (one target forward for all of them): when nothing

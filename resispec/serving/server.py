@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from resispec.data.config import DataConfig
 from resispec.decoding import SpeculativeDecoder
@@ -36,6 +37,17 @@ def serving_threads(server: ServerConfig, spare_core: bool = False) -> int:
     threads = server.num_threads or max(1, cores - int(spare_core))
     torch.set_num_threads(threads)
     return threads
+
+
+def threads_by_rows(server: ServerConfig, threads: int) -> Callable[[int], int]:
+    """The torch threads a step of `rows` requests runs on: `threads`, one fewer while fewer than
+    server.spare_core_below requests run (a small batch's forward gains little from the last core, and the HTTP
+    frontend and the clients on it no longer stall the forward's threads)."""
+
+    def at(rows: int) -> int:
+        return max(1, threads - 1) if rows < server.spare_core_below else threads
+
+    return at
 
 
 def off_main_thread(fn, *args, **kwargs):
@@ -73,7 +85,7 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 def planned_trees(
-    target, draft, decode: DecodeConfig, prompts: list[list[int]], batch_sizes=(1,)
+    target, draft, decode: DecodeConfig, prompts: list[list[int]], batch_sizes=(1,), threads_at=None
 ) -> tuple[dict[int, list[int] | None], dict[int, list[int] | None]]:
     """decode.tree=auto: the planner's trees for decode.rule on this device and pair, calibrated on `prompts`
     (held-out prompt ids), for each batch size -> (sampled rows' plan, greedy rows' plan), each {size: tree, or
@@ -81,7 +93,8 @@ def planned_trees(
     own). Sampled rows are planned at decode's sampling settings (temperature 1 where decode's is 0), greedy rows
     at temperature 0: greedy acceptance is higher, and one plan for both served T = 0 requests trees planned at
     T = 1 (a chain of 3 or [2, 1, 1] where [3] measured 1.3x AR at one client). Logs each choice with its predicted
-    tau and speedup."""
+    tau and speedup. `threads_at` (rows -> torch threads, threads_by_rows): each size is timed on the threads it
+    will decode on."""
     from resispec.decoding.planner import Planner
 
     if not prompts:
@@ -94,7 +107,7 @@ def planned_trees(
     out = []
     for temperature in (sampled_t, 0.0):
         sampling = {"temperature": temperature, "top_k": decode.top_k, "top_p": decode.top_p}
-        plans = planner.choose_by_batch(draft, decode.rule, sampling, sizes, decode.auto_policy)
+        plans = planner.choose_by_batch(draft, decode.rule, sampling, sizes, decode.auto_policy, threads_at)
         trees = {}
         for b, plan in plans.items():
             pays = plan.speedup > 1.0 or b == 1
@@ -116,21 +129,25 @@ def build_engine(
     server: ServerConfig | None = None,
     plan_prompts: list[list[int]] | None = None,
     plans: tuple[dict, dict] | None = None,
+    threads: int | None = None,
 ):
     """A DecoderEngine for the loaded pair under the `decode` settings (rule `ar` serves the target alone);
     `server` sets continuous batching (max_batch_size, kv_budget_tokens, speculation). decode.tree=auto plans the
     trees per batch-size bucket first (planned_trees: sampled and greedy rows), calibrated on `plan_prompts`,
-    unless `plans` brings them; the engine's own tree is the batch-1 tree of decode's temperature."""
+    unless `plans` brings them; the engine's own tree is the batch-1 tree of decode's temperature. `threads`: the
+    torch threads serving runs on (serving_threads); with it, the scheduler and the planner use one fewer for small
+    batches (threads_by_rows)."""
 
     server = server or ServerConfig(max_batch_size=1)
     speculative = decode.rule not in AR_RULES
+    threads_at = threads_by_rows(server, threads) if threads else None
     sampled = greedy = None
     if not speculative:
         tree = [1]
     elif decode.planned:
         if plans is None:
             sizes = batch_buckets(server.max_batch_size)
-            plans = planned_trees(target, draft, decode, plan_prompts or [], sizes)
+            plans = planned_trees(target, draft, decode, plan_prompts or [], sizes, threads_at)
         sampled, greedy = plans
         tree = (greedy if is_greedy(decode.temperature) else sampled)[1]
     else:
@@ -157,6 +174,7 @@ def build_engine(
         seeded_sampling=server.seeded_sampling,
         trees_by_batch=sampled,
         greedy_trees_by_batch=greedy,
+        threads_at=threads_at,
     )
 
 
@@ -179,7 +197,9 @@ def build_app(
         from resispec.serving.bench import load_bench_prompts
 
         prompts = load_bench_prompts(data, tokenizer, world, decode.plan_prompts, split="eval")
-    engine = off_main_thread(build_engine, target, draft, tokenizer, decode, server, plan_prompts=prompts)
+    engine = off_main_thread(
+        build_engine, target, draft, tokenizer, decode, server, plan_prompts=prompts, threads=threads
+    )
     max_len = context_length(target, draft, server)
     log.info(
         "serving %s (target %s, draft %s) rule=%s tree=%s, context %d, max batch %d, %d torch threads",

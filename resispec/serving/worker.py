@@ -70,7 +70,8 @@ class DecoderEngine:
     per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
     output under decode.tree=auto) is the tree speculative steps draft at each batch size; `greedy_trees_by_batch`
     the same for batches of greedy rows (None: `trees_by_batch`); `seeded_sampling` (invariant | rule) how a seeded
-    request samples (`generator`)."""
+    request samples (`generator`); `threads_at` (running requests -> torch threads, server.threads_by_rows; None:
+    leave torch's setting alone) what the scheduler decodes on."""
 
     def __init__(
         self,
@@ -84,12 +85,14 @@ class DecoderEngine:
         trees_by_batch: dict[int, list[int] | None] | None = None,
         greedy_trees_by_batch: dict[int, list[int] | None] | None = None,
         seeded_sampling: str = "invariant",
+        threads_at=None,
     ) -> None:
         if seeded_sampling not in SEEDED_SAMPLING:
             raise ValueError(
                 f"server.seeded_sampling must be one of {SEEDED_SAMPLING}, got {seeded_sampling!r}"
             )
         self.seeded_sampling = seeded_sampling
+        self.threads_at = threads_at
         self.decoder = decoder
         self.trees_by_batch, self.greedy_trees_by_batch = trees_by_batch, greedy_trees_by_batch
         self.tokenizer = tokenizer
@@ -201,6 +204,7 @@ class DecodeWorker:
             speculation=getattr(engine, "speculation", "auto"),
             max_queue=max_queue,
             metrics=metrics,
+            threads_at=getattr(engine, "threads_at", None),
         )
 
     @property

@@ -247,6 +247,29 @@ def test_planner_by_batch_size_measures_each_size(micro_pair):
         assert plan.tree in candidate_trees(max_branch=max(plan.alpha)) and plan.step_ms > 0
 
 
+def test_planner_times_each_batch_size_on_its_threads(micro_pair, monkeypatch):
+    """threads_at (the server's threads_by_rows): each size's forward tables and overhead are timed on the threads
+    that size will decode on, and torch's setting is restored afterwards."""
+    from resispec.decoding import planner as planner_mod
+
+    seen = []
+    real_table = planner_mod.forward_table
+
+    def table(model, nodes, reps, batch, between=None):
+        seen.append((batch, torch.get_num_threads()))
+        return real_table(model, nodes[:2], reps=1, batch=batch, between=between)
+
+    monkeypatch.setattr(planner_mod, "forward_table", table)
+    target, draft = micro_pair
+    with single_thread():
+        planner = Planner(target, [[1, 2, 3, 4, 5, 6]], continuation_tokens=8)
+        planner.choose_by_batch(
+            draft, "chain", {"temperature": 0.0}, [1, 2, 4], threads_at=lambda b: 2 if b >= 4 else 1
+        )
+        assert torch.get_num_threads() == 1
+    assert sorted(set(seen)) == [(1, 1), (2, 1), (4, 2)]
+
+
 def test_batch_overhead_is_measured_at_the_batch_size(micro_pair):
     """The batched decoder's host work is timed with that many rows: what the forwards (as timed) do not explain.
     With forwards predicted free the whole step is overhead; with forwards predicted enormous, none is."""

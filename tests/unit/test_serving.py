@@ -482,6 +482,41 @@ def test_serving_threads_take_every_core_or_leave_one():
         torch.set_num_threads(before)
 
 
+def test_small_batches_leave_a_core_to_the_frontend():
+    """server.spare_core_below: below that many running requests decoding takes one thread fewer (never fewer than
+    one); the scheduler sets it at each cycle from the running and waiting requests (at most max_batch_size)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from resispec.serving.config import ServerConfig
+    from resispec.serving.scheduler import Scheduler
+    from resispec.serving.server import threads_by_rows
+
+    at = threads_by_rows(ServerConfig(spare_core_below=5), 4)
+    assert [at(r) for r in (1, 4, 5, 16)] == [3, 3, 4, 4]
+    assert threads_by_rows(ServerConfig(spare_core_below=5), 1)(1) == 1
+    assert threads_by_rows(ServerConfig(spare_core_below=0), 2)(1) == 2
+    assert ServerConfig().spare_core_below == 5
+
+    asked = []
+    engine = SimpleNamespace(batched=SimpleNamespace(draft=None, rows=[]), generator=None, eos=None)
+    sched = Scheduler(engine, max_batch_size=4, threads_at=lambda rows: asked.append(rows) or 1 + (rows >= 3))
+    sched.close()  # no decode thread: cycles are driven by hand
+    sched._admit = lambda: 0
+    sched._step = lambda: None
+    before = torch.get_num_threads()
+    try:
+        for running, waiting, rows, threads in ((1, 0, 1, 1), (1, 1, 2, 1), (2, 5, 4, 2), (0, 0, 1, 1)):
+            sched.tasks[:] = [SimpleNamespace()] * running
+            sched.waiting.clear()
+            sched.waiting.extend([SimpleNamespace()] * waiting)
+            sched._cycle()
+            assert asked[-1] == rows and torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_off_main_thread_returns_and_raises_from_another_thread():
     from resispec.serving.server import off_main_thread
 
