@@ -30,8 +30,8 @@ class ServerConfig:
     # torch threads of the decoding thread; null = all cores (all but one on the HF forward: serving_threads)
     num_threads: int | None = None
     # while fewer requests than this run, decoding uses one thread fewer and leaves that core to the HTTP frontend
-    # and the clients (0 = never). On 2 cores, out of process, at 1-4 clients one thread gave 1.22-1.35x the tokens/s
-    # of two; at 8-16 two threads gave 1.06-1.09x of one (recipes/vllm/README.md)
+    # and the clients (0 = never). On 2 cores, out of process, T = 1: at 1-4 clients one thread gave 1.05-1.34x the
+    # tokens/s of two (adaptive) and 1.03-1.20x (AR); at 8 they tie; at 16 two gave 1.07-1.15x (recipes/vllm)
     spare_core_below: int = 5
     max_tokens_default: int = 128  # when a request gives no max_tokens (capped by the context left)
     max_model_len: int | None = None  # context length; null = the smaller max_position_embeddings of the pair
