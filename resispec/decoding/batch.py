@@ -46,6 +46,7 @@ from resispec.decoding.kv_cache import (
     trim_cache_left,
 )
 from resispec.decoding.lean import propose_at, row_rule, walk_greedy, walk_one_draw_chains, walk_sampled
+from resispec.decoding.prefix_cache import PrefixCache
 from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
 from resispec.sampling import SeedStream, is_greedy, probs_by_settings, sample_at, sample_each
@@ -135,28 +136,56 @@ def _left_padded(
     return ids, pos, valid, (causal[None] & valid[:, None, :]) | eye[None]
 
 
-def _prefill(forward, model, rows: list[BatchRow], kind: str) -> list:
+def _prefill(forward, model, rows: list[BatchRow], kind: str, prefix: PrefixCache | None = None) -> list:
     """Batch-1 caches of every row's prompt but its last token (as the batch-1 decoder prefills), from ONE forward
     of `model` over all of them (left-padded, masked; one row: its plain batch-1 forward, as alone), for
-    merge_cache_row. The forward's seconds are shared out to the rows' stats (`kind`: "target" | "draft")."""
+    merge_cache_row. The forward's seconds are shared out to the rows' stats (`kind`: "target" | "draft").
+
+    With a `prefix` cache, a row whose prompt begins with a stored prefix starts from that K/V: a prompt seen
+    before needs no forward, one sharing a block-aligned prefix forwards only the rest (alone, after the stored
+    columns); the rest are prefilled together as above, and every prompt's K/V is then stored."""
     live = [r for r in rows if len(r.prompt) > 1]
     caches = {id(r): new_cache(model) for r in rows}
     if not live:
         return [caches[id(r)] for r in rows]
-    t0 = time.perf_counter()
     dev = next(model.parameters()).device
-    seqs, block = [r.prompt[:-1] for r in live], new_cache(model)
-    if len({len(s) for s in seqs}) == 1:  # one length (one row: as alone): the plain causal path
-        forward_logits(forward, torch.tensor(seqs, device=dev), block, logits_to_keep=1)
-    else:
-        ids, pos, _, allowed = _left_padded(seqs, [0] * len(seqs), dev)
-        forward_logits(forward, ids, block, pos, _additive(allowed, model.dtype), logits_to_keep=1)
-    parts = [block] if len(live) == 1 else split_cache_rows(block, [len(s) for s in seqs])
-    caches.update(zip([id(r) for r in live], parts, strict=True))
-    share = (time.perf_counter() - t0) / len(live)
-    for r in live:
-        setattr(r.stats, f"{kind}_seconds", getattr(r.stats, f"{kind}_seconds") + share)
-        setattr(r.stats, f"{kind}_forwards", getattr(r.stats, f"{kind}_forwards") + 1)
+    fresh = live
+    if prefix is not None:
+        fresh = []
+        for r in live:
+            t0 = time.perf_counter()
+            reused, cache = prefix.lookup(r.prompt[:-1])
+            if not reused:
+                fresh.append(r)
+                continue
+            if reused < len(r.prompt) - 1:  # the rest of the prompt, after the stored columns
+                forward_logits(
+                    forward, torch.tensor([r.prompt[reused:-1]], device=dev), cache, logits_to_keep=1
+                )
+                setattr(r.stats, f"{kind}_forwards", getattr(r.stats, f"{kind}_forwards") + 1)
+            caches[id(r)] = cache
+            setattr(
+                r.stats, f"{kind}_seconds", getattr(r.stats, f"{kind}_seconds") + time.perf_counter() - t0
+            )
+            if kind == "target":
+                r.stats.cached_prompt_tokens = reused
+    if fresh:
+        t0 = time.perf_counter()
+        seqs, block = [r.prompt[:-1] for r in fresh], new_cache(model)
+        if len({len(s) for s in seqs}) == 1:  # one length (one row: as alone): the plain causal path
+            forward_logits(forward, torch.tensor(seqs, device=dev), block, logits_to_keep=1)
+        else:
+            ids, pos, _, allowed = _left_padded(seqs, [0] * len(seqs), dev)
+            forward_logits(forward, ids, block, pos, _additive(allowed, model.dtype), logits_to_keep=1)
+        parts = [block] if len(fresh) == 1 else split_cache_rows(block, [len(s) for s in seqs])
+        caches.update(zip([id(r) for r in fresh], parts, strict=True))
+        share = (time.perf_counter() - t0) / len(fresh)
+        for r in fresh:
+            setattr(r.stats, f"{kind}_seconds", getattr(r.stats, f"{kind}_seconds") + share)
+            setattr(r.stats, f"{kind}_forwards", getattr(r.stats, f"{kind}_forwards") + 1)
+    if prefix is not None:
+        for r in live:
+            prefix.store(r.prompt[:-1], caches[id(r)])
     return [caches[id(r)] for r in rows]
 
 
@@ -198,6 +227,7 @@ class BatchedDecoder:
         self.rows: list[BatchRow] = []
         self.cache = new_cache(target)
         self.num_cols = 0  # T: columns of the batch cache
+        self.prefix: PrefixCache | None = None  # stored prompt K/V (enable_prefix_cache)
 
     @classmethod
     def from_decoder(cls, decoder) -> BatchedDecoder:
@@ -279,9 +309,15 @@ class BatchedDecoder:
             finished=max_new_tokens <= 0,
         )
 
+    def enable_prefix_cache(self, max_tokens: int, target_cache: PrefixCache | None = None) -> None:
+        """Reuse the K/V of prompts prefilled before (resispec.decoding.prefix_cache), at most `max_tokens` tokens
+        stored; 0 turns it off. `target_cache`: share one already made for the same target (another decoder's)."""
+        self.prefix = target_cache or (PrefixCache(max_tokens) if max_tokens > 0 else None)
+
     def _join(self, rows: list[BatchRow]) -> None:
         """Prefill the new rows together and merge them into the batch cache."""
-        for row, row_cache in zip(rows, _prefill(self._target_fwd, self.target, rows, "target"), strict=True):
+        caches = _prefill(self._target_fwd, self.target, rows, "target", self.prefix)
+        for row, row_cache in zip(rows, caches, strict=True):
             merge_cache_row(self.cache, len(self.rows), row_cache)
             self.num_cols = max(self.num_cols, row.length)
             self.rows.append(row)
@@ -473,6 +509,9 @@ class BatchedSpeculativeDecoder:
         self.tcache, self.dcache = _HoleyCache(target), _HoleyCache(draft)
         # prefill the draft when a row joins (_join); off for a batch that never drafts
         self.prefill_draft = True
+        # stored prompt K/V of the target and the draft (enable_prefix_cache)
+        self.prefix: PrefixCache | None = None
+        self.draft_prefix: PrefixCache | None = None
 
     @classmethod
     def from_decoder(cls, decoder) -> BatchedSpeculativeDecoder:
@@ -489,6 +528,11 @@ class BatchedSpeculativeDecoder:
         dec._target_fwd, dec._d_fwd = decoder._target_fwd, decoder._draft_fwd
         return dec
 
+    def enable_prefix_cache(self, max_tokens: int, target_cache: PrefixCache | None = None) -> None:
+        """BatchedDecoder.enable_prefix_cache, for the target and the draft (each its own `max_tokens`)."""
+        BatchedDecoder.enable_prefix_cache(self, max_tokens, target_cache)
+        self.draft_prefix = PrefixCache(max_tokens) if self.prefix is not None else None
+
     # the row API of BatchedDecoder: add() / add_many() make the rows and call _join; generate() runs rows to the end
     add = BatchedDecoder.add
     add_many = BatchedDecoder.add_many
@@ -502,8 +546,12 @@ class BatchedSpeculativeDecoder:
         draft forward over ~1000 positions in the step of each newcomer). Without `prefill_draft` (a batch that
         never drafts) the prompt waits in the row's `pending`, the tokens the draft has not seen, and a drafting
         step takes them all."""
-        tcaches = _prefill(self._target_fwd, self.target, rows, "target")
-        dcaches = _prefill(self._d_fwd, self.draft, rows, "draft") if self.prefill_draft else None
+        tcaches = _prefill(self._target_fwd, self.target, rows, "target", self.prefix)
+        dcaches = (
+            _prefill(self._d_fwd, self.draft, rows, "draft", self.draft_prefix)
+            if self.prefill_draft
+            else None
+        )
         for b, row in enumerate(rows):
             self.tcache.add_row(tcaches[b], row.length)
             if dcaches is None:

@@ -27,6 +27,9 @@ class DecodeStats:
     target_seconds: float = 0.0
     accept_seconds: float = 0.0  # the rule's verification walk (host side), apart from the forwards
     total_seconds: float = 0.0
+    cached_prompt_tokens: int = (
+        0  # prompt tokens whose K/V came from the prefix cache (target), not a forward
+    )
 
     def record_step(self, num_nodes: int, num_accepted: int, depth: int) -> None:
         """Count one speculative step: a tree of `num_nodes` nodes (root included) and `depth` levels whose walk

@@ -690,7 +690,7 @@ def create_app(
             res = await st.collect(request, job, params.stop)
             return {
                 **body(echo + res.text, res.finish_reason, logprobs(res.num_tokens, prompt=req.echo)),
-                "usage": usage(len(prompt_ids), res.num_tokens),
+                "usage": usage(len(prompt_ids), res.num_tokens, job.stats),
             }
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -713,7 +713,7 @@ def create_app(
                         {
                             **body("", None),
                             "choices": [],
-                            "usage": usage(len(prompt_ids), job.result.num_tokens),
+                            "usage": usage(len(prompt_ids), job.result.num_tokens, job.stats),
                         }
                     )
             except Exception as exc:  # the stream has started: report in-band
@@ -770,7 +770,7 @@ def create_app(
                         "finish_reason": res.finish_reason,
                     }
                 ],
-                "usage": usage(len(prompt_ids), res.num_tokens),
+                "usage": usage(len(prompt_ids), res.num_tokens, job.stats),
             }
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -788,7 +788,7 @@ def create_app(
                         {
                             **chunk({}, None),
                             "choices": [],
-                            "usage": usage(len(prompt_ids), job.result.num_tokens),
+                            "usage": usage(len(prompt_ids), job.result.num_tokens, job.stats),
                         }
                     )
             except Exception as exc:

@@ -13,6 +13,9 @@ with their seconds and emitted tokens, so a client can read off where speculatio
 token over any window (two scrapes):
   batch_steps{mode,batch_size}, batch_step_seconds{mode,batch_size}, batch_step_tokens{mode,batch_size}
 
+The prefix cache counts as vLLM v1's does, in tokens: prefix_cache_queries (newcomers' prompt tokens looked up) and
+prefix_cache_hits (those whose K/V was reused, not prefilled); hit rate = hits / queries.
+
 Each app owns its registry, so several apps in one process (tests) never collide.
 """
 
@@ -156,6 +159,18 @@ class ServerMetrics:
             lbl + ["mode", "batch_size"],
             registry=r,
         )
+        self.prefix_cache_queries = Counter(
+            "resispec:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (the target's; each prompt but its last token).",
+            lbl,
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "resispec:prefix_cache_hits",
+            "Prompt tokens whose K/V the prefix cache held (not prefilled again).",
+            lbl,
+            registry=r,
+        )
         for gauge in (self.running, self.waiting):
             gauge.labels(model_name).set(0)
 
@@ -167,6 +182,11 @@ class ServerMetrics:
         self.num_accepted_tokens.labels(m).inc(stats.num_accepted_tokens)
         for pos, count in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.labels(m, str(pos)).inc(count)
+
+    def observe_prefix(self, queries: int, hits: int) -> None:
+        """Newcomers' prompts looked up in the target's prefix cache: `queries` tokens, `hits` of them found."""
+        self.prefix_cache_queries.labels(self.model_name).inc(queries)
+        self.prefix_cache_hits.labels(self.model_name).inc(hits)
 
     def observe_step(self, mode: str, seconds: float, tokens: int, bucket: int = 1) -> None:
         """One batch decode step of `mode` ("draft" | "ar") at batch-size bucket `bucket` took `seconds` and emitted

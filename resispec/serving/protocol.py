@@ -263,9 +263,15 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, stats=None) -> dict:
+    """OpenAI's usage object; with the request's DecodeStats from a server with a prefix cache, also
+    prompt_tokens_details.cached_tokens (the prompt tokens whose K/V was reused, as OpenAI and vLLM report it)."""
+    out: dict = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    cached = getattr(stats, "cached_prompt_tokens", 0)
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out

@@ -390,6 +390,11 @@ class Scheduler:
             except BaseException:
                 log.exception("admitting %d requests together failed; admitting them one by one", len(batch))
                 rows = [self._add_alone(t) for t in batch]
+        if self.metrics is not None and getattr(self.batched, "prefix", None) is not None:
+            added = [r for r in rows if r is not None and not r.finished]
+            self.metrics.observe_prefix(
+                sum(len(r.prompt) - 1 for r in added), sum(r.stats.cached_prompt_tokens for r in added)
+            )
         for task, row in zip(batch, rows, strict=True):
             task.row, task.stats = row, row and row.stats
             # so far only its prefills (the target's, and on the speculative batch the draft's)

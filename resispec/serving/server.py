@@ -170,6 +170,7 @@ def build_engine(
         max_batch_size=server.max_batch_size,
         kv_budget=server.kv_budget_tokens,
         max_prefill_tokens=server.max_prefill_tokens,
+        prefix_cache_tokens=server.prefix_cache_tokens,
         speculation=server.speculation,
         seeded_sampling=server.seeded_sampling,
         trees_by_batch=sampled,

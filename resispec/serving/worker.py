@@ -66,7 +66,8 @@ class DecoderEngine:
     With `max_batch_size > 1` it also carries a batched decoder over the same pair (`batched`: speculative or AR
     as the engine), which the scheduler uses to decode many requests in one target forward per step. `kv_budget`
     (tokens, None = unbounded) bounds the batch cache; `max_prefill_tokens` the prompt tokens of newcomers
-    prefilled together in one forward; `speculation` (auto | always | never) is the scheduler's
+    prefilled together in one forward; `prefix_cache_tokens` the prompt tokens whose K/V the batched decoder keeps
+    for reuse (per model; 0 = none: resispec.decoding.prefix_cache); `speculation` (auto | always | never) is the scheduler's
     per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
     output under decode.tree=auto) is the tree speculative steps draft at each batch size; `greedy_trees_by_batch`
     the same for batches of greedy rows (None: `trees_by_batch`); `seeded_sampling` (invariant | rule) how a seeded
@@ -81,6 +82,7 @@ class DecoderEngine:
         max_batch_size: int = 1,
         kv_budget: int | None = None,
         max_prefill_tokens: int = 2048,
+        prefix_cache_tokens: int = 0,
         speculation: str = "auto",
         trees_by_batch: dict[int, list[int] | None] | None = None,
         greedy_trees_by_batch: dict[int, list[int] | None] | None = None,
@@ -109,6 +111,7 @@ class DecoderEngine:
 
             batched = BatchedSpeculativeDecoder if speculative else BatchedDecoder
             self.batched = batched.from_decoder(decoder)
+            self.batched.enable_prefix_cache(prefix_cache_tokens)
 
     def generator(self, params: SamplingParams) -> torch.Generator | SeedStream:
         """The request's random stream. Under seeded_sampling=invariant a seeded request gets a SeedStream: its
