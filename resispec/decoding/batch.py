@@ -51,6 +51,7 @@ from resispec.decoding.stats import DecodeStats
 from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
 from resispec.sampling import SeedStream, is_greedy, probs_by_settings, sample_at, sample_each
 from resispec.sampling import probs as process_logits
+from resispec.verify.base import top_set
 
 
 @dataclass(eq=False)
@@ -674,6 +675,18 @@ class BatchedSpeculativeDecoder:
                     q_draw = torch.cat([qs[b] for b in draw])
                     tokens = sample_each(q_draw, [rows[b].generator for b in draw]).tolist()
                     drawn = dict(zip(draw, tokens, strict=True))
+                # the greedy rows' children at this depth (the top-n of q, GreedyRule.propose), one top_set per
+                # width; their walk needs no proposal (walk_greedy)
+                tops: dict[int, list] = {}
+                by_width: dict[int, list[int]] = {}
+                for b in range(nb):
+                    if greedy_tk[b] and growing[b] and depth <= lims[b]:
+                        by_width.setdefault(shapes[b][depth - 1], []).append(b)
+                for n, group in by_width.items():
+                    ids = top_set(torch.cat([qs[b] for b in group]), n).tolist()
+                    at = 0
+                    for b in group:
+                        tops[b], at = ids[at : at + qs[b].shape[0]], at + qs[b].shape[0]
                 feed = []  # (row, level) pairs the draft processes at this depth
                 for b, r in enumerate(rows):
                     if not growing[b] or depth > lims[b]:
@@ -682,6 +695,8 @@ class BatchedSpeculativeDecoder:
                     if b in drawn:
                         level = trees[b].add_level([[drawn[b]]])
                         chain_q[b].append(qs[b])
+                    elif b in tops:
+                        level = trees[b].add_level(tops[b])
                     else:
                         proposal = propose_at(
                             rules[b], qs[b], shapes[b][depth - 1], r.generator, r.length + depth
