@@ -173,6 +173,8 @@ class ServerMetrics:
         )
         for gauge in (self.running, self.waiting):
             gauge.labels(model_name).set(0)
+        for counter in (self.prefix_cache_queries, self.prefix_cache_hits):  # 0 until a prompt is looked up
+            counter.labels(model_name)
 
     def observe_spec(self, stats) -> None:
         """Add one request's DecodeStats to the spec-decode counters."""

@@ -252,3 +252,36 @@ def test_in_process_comparison(pair, tmp_path, one_thread):
     assert [r.label for r in results] == list(modes)
     assert all(r.num_ok == 4 and r.num_short == 0 and r.completion_tokens == 24 for r in results)
     assert "batch size" in (tmp_path / "sweep.md").read_text()
+
+
+def test_prefix_cache_reuses_prompts_and_says_so(serve, pair, one_thread):
+    """A prompt seen before is not prefilled again: the OpenAI client reads usage.prompt_tokens_details.cached_tokens,
+    /metrics counts the lookups and hits as vLLM does, and the text is the target's greedy text either way; with
+    server.prefix_cache_tokens=0 nothing is cached."""
+    import openai
+
+    target, draft, tok = pair
+    system = (
+        "You are a careful assistant. Answer briefly and exactly.\n" * 3
+    )  # a shared header of several blocks
+    prompts = [system + "def main():\n", system + "import os\n"]
+    for cache_tokens in (4096, 0):
+        url, _ = serve(max_batch_size=4, speculation="always", prefix_cache_tokens=cache_tokens)
+        oai = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        cached = []
+        for p in [prompts[0], prompts[0], prompts[1]]:
+            c = oai.completions.create(
+                model="m", prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert c.choices[0].text == _greedy_alone(pair, p, 8)
+            details = c.usage.prompt_tokens_details
+            cached.append(0 if details is None else details.cached_tokens)
+        n0, n1 = (len(encode_text(tok, p)) for p in prompts)
+        m = httpx.get(url + "/metrics").text
+        if cache_tokens:
+            shared = len(encode_text(tok, system)) // 16 * 16  # the header's whole 16-token blocks, at most
+            assert cached[0] == 0 and cached[1] == n0 - 1 and 0 < cached[2] <= shared
+            assert _metric(m, "resispec:prefix_cache_queries_total") == n0 - 1 + n0 - 1 + n1 - 1
+            assert _metric(m, "resispec:prefix_cache_hits_total") == sum(cached)
+        else:
+            assert cached == [0, 0, 0] and _metric(m, "resispec:prefix_cache_hits_total") == 0
