@@ -190,6 +190,34 @@ def _prefill(forward, model, rows: list[BatchRow], kind: str, prefix: PrefixCach
     return [caches[id(r)] for r in rows]
 
 
+def _store_finished(
+    prefix: PrefixCache | None, old: list[BatchRow], keep: list[BatchRow], cache, columns
+) -> None:
+    """Before rows leave a batch: store the target K/V of each finished one (its prompt and generated tokens, as far
+    as the cache holds them) in `prefix`, for a later prompt that repeats them (a chat's next turn).
+    columns(b, row) -> the cache columns holding row b's tokens, in order."""
+    if prefix is None:
+        return
+    kept = {id(r) for r in keep}
+    for b, row in enumerate(old):
+        if id(row) in kept or not row.finished:
+            continue
+        seq = (row.prompt + row.generated)[
+            : row.length
+        ]  # the cache holds the tokens before the last (the root)
+        if len(seq) < len(row.prompt):
+            continue
+
+        def layers(b: int = b, row: BatchRow = row, n: int = len(seq)):
+            cols = columns(b, row)[:n]
+            return [
+                (layer.keys[b : b + 1].index_select(2, cols), layer.values[b : b + 1].index_select(2, cols))
+                for layer in cache.layers
+            ]
+
+        prefix.store_layers(seq, layers)
+
+
 def _emit_one_each(
     rows: list[BatchRow], tokens: list[int], seconds: float
 ) -> list[tuple[BatchRow, list[int]]]:
@@ -330,6 +358,14 @@ class BatchedDecoder:
     def _keep(self, rows: list[BatchRow]) -> None:
         if len(rows) == len(self.rows):
             return
+        # row b owns the last r.length of the num_cols columns
+        _store_finished(
+            self.prefix,
+            self.rows,
+            rows,
+            self.cache,
+            lambda b, r: torch.arange(self.num_cols - r.length, self.num_cols, device=self.device),
+        )
         rows, sel = _slot_order(self.rows, rows, self.device)
         select_cache_rows(self.cache, sel)
         self.rows = rows
@@ -571,6 +607,11 @@ class BatchedSpeculativeDecoder:
     def _keep(self, rows: list[BatchRow]) -> None:
         if len(rows) == len(self.rows):
             return
+        # a row's valid columns, in column order, are its tokens in order (tree levels are appended by depth)
+        valid = self.tcache.valid
+        _store_finished(
+            self.prefix, self.rows, rows, self.tcache.cache, lambda b, r: valid[b].nonzero().squeeze(1)
+        )
         rows, sel = _slot_order(self.rows, rows, self.device)
         self.tcache.keep_rows(sel)
         self.dcache.keep_rows(sel)

@@ -12,15 +12,16 @@ prefilling it again would compute, up to the float rounding of a different batch
 prompt prefilled alone or left-padded among others). Lookups hash chained blocks, but a hit is only taken after the
 stored tokens were compared with the prompt's, so a hash collision can never reuse the wrong K/V.
 
-Only prompts are stored, not generated tokens (vLLM also caches the blocks a request generates, which a multi-turn
-chat reuses on its next turn). The memory is the decoder's own, beside the batch cache and outside
+A finished request's prompt and generated tokens are stored too (the target's K/V, as it leaves the batch: the
+batched decoders' `_keep`), so a multi-turn chat's next turn, whose prompt repeats the conversation so far, reuses
+it up to the last whole block the two share (as vLLM, which caches the blocks a request generates). The memory is the decoder's own, beside the batch cache and outside
 `server.kv_budget_tokens`: max_tokens x (K/V bytes per token) per model.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,16 @@ class PrefixCache:
     def store(self, seq: Sequence[int], cache: DynamicCache) -> None:
         """Keep a copy of `cache` (batch 1, holding exactly `seq`'s K/V) unless the same tokens are stored already
         or it alone exceeds max_tokens; evict the least recently used entries beyond max_tokens."""
+        self.store_layers(seq, [(layer.keys, layer.values) for layer in cache.layers])
+
+    def store_layers(
+        self,
+        seq: Sequence[int],
+        layers: list[tuple[torch.Tensor, torch.Tensor]]
+        | Callable[[], list[tuple[torch.Tensor, torch.Tensor]]],
+    ) -> None:
+        """store() from per-layer (keys, values) [1, H, len(seq), D] (or a callable returning them, called only if
+        the tokens are to be stored: extracting a row from a batch cache costs a gather)."""
         seq = tuple(seq)
         n = len(seq)
         if n == 0 or n > self.max_tokens:
@@ -100,14 +111,16 @@ class PrefixCache:
         if same is not None and self._entries[same].tokens == seq:
             self._entries.move_to_end(same)
             return
-        layers = []
-        for layer in cache.layers:
-            k, v = layer.keys, layer.values
+        if callable(layers):
+            layers = layers()
+        copies = []
+        for k, v in layers:
             if k is None or k.shape[0] != 1 or k.shape[-2] != n:
                 raise ValueError(
                     f"store() needs a batch-1 cache of the {n} tokens, got keys {getattr(k, 'shape', None)}"
                 )
-            layers.append((k.clone(), v.clone()))
+            copies.append((k.clone(), v.clone()))
+        layers = copies
         entry_id, self._next_id = self._next_id, self._next_id + 1
         self._entries[entry_id] = _Entry(seq, layers, keys)
         for key in keys:  # the newest entry answers for every prefix it holds

@@ -151,3 +151,37 @@ def test_decoding_with_the_prefix_cache_emits_what_it_emits_without(models, spec
         assert dec.draft_prefix is not None and dec.draft_prefix.hits > 0
     dec.enable_prefix_cache(0)
     assert dec.prefix is None and _decode(dec, first, **greedy)[1][0].cached_prompt_tokens == 0
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_finished_row_is_stored_for_the_next_turn(models, speculative):
+    """A finished row leaves its prompt and generated tokens' K/V behind (the tokens the cache held: all but the
+    last): equal to a fresh prefill of them, and a next turn that repeats the conversation reuses its whole blocks
+    and decodes what it decodes without the cache."""
+    target, draft = models
+
+    def make():
+        if speculative:
+            return BatchedSpeculativeDecoder(target, draft, "resispec", (2, 1))
+        return BatchedDecoder(target)
+
+    first = [_prompt(21, 40), _prompt(9, 41)]
+    dec = make()
+    dec.enable_prefix_cache(4096)
+    sampled = dict(temperature=1.0, generator=torch.Generator().manual_seed(0))  # rejections leave holes
+    outs, _ = _decode(dec, first, **sampled)
+    for p, out in zip(first, outs, strict=True):
+        seq = p + out[:-1]
+        n, cache = dec.prefix.lookup(seq)
+        assert n == len(seq)
+        fresh = _kv(target, seq)
+        for mine, ref in zip(cache.layers, fresh.layers, strict=True):
+            torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-4)
+    turn2 = [first[0] + outs[0] + _prompt(5, 42), first[1] + outs[1] + _prompt(12, 43)]
+    want, _ = _decode(make(), turn2, temperature=0.0)
+    got, stats = _decode(dec, turn2, temperature=0.0)
+    assert got == want
+    assert [s.cached_prompt_tokens for s in stats] == [
+        (len(first[b]) + len(outs[b]) - 1) // 16 * 16 for b in range(2)
+    ]
