@@ -53,7 +53,9 @@ class PrefixCache:
             raise ValueError(f"prefix cache block size must be >= 1, got {block_size}")
         self.max_tokens, self.block_size = max_tokens, block_size
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # id -> entry, least recently used first
-        self._index: dict[tuple[int, int], int] = {}  # (prefix length, chained hash) -> entry id
+        # (prefix length, chained hash) -> the entries holding that prefix (ids, oldest first): when the newest is
+        # evicted, an older one still answers
+        self._index: dict[tuple[int, int], dict[int, None]] = {}
         self._next_id = 0
         self.num_tokens = 0  # tokens stored
         self.queries = 0  # tokens looked up
@@ -78,15 +80,14 @@ class PrefixCache:
             return 0, None
         seq = tuple(seq)
         for key in self._keys(seq):
-            entry_id = self._index.get(key)
-            if entry_id is None:
-                continue
-            entry, m = self._entries[entry_id], key[0]
-            if entry.tokens[:m] != seq[:m]:  # a hash collision: never reuse what was not compared
-                continue
-            self._entries.move_to_end(entry_id)
-            self.hits += m
-            return m, _as_cache(entry, m)
+            m = key[0]
+            for entry_id in reversed(self._index.get(key, ())):
+                entry = self._entries[entry_id]
+                if entry.tokens[:m] != seq[:m]:  # a hash collision: never reuse what was not compared
+                    continue
+                self._entries.move_to_end(entry_id)
+                self.hits += m
+                return m, _as_cache(entry, m)
         return 0, None
 
     def store(self, seq: Sequence[int], cache: DynamicCache) -> None:
@@ -107,10 +108,10 @@ class PrefixCache:
         if n == 0 or n > self.max_tokens:
             return
         keys = self._keys(seq)
-        same = self._index.get(keys[0])
-        if same is not None and self._entries[same].tokens == seq:
-            self._entries.move_to_end(same)
-            return
+        for same in self._index.get(keys[0], ()):
+            if self._entries[same].tokens == seq:
+                self._entries.move_to_end(same)
+                return
         if callable(layers):
             layers = layers()
         copies = []
@@ -123,8 +124,8 @@ class PrefixCache:
         layers = copies
         entry_id, self._next_id = self._next_id, self._next_id + 1
         self._entries[entry_id] = _Entry(seq, layers, keys)
-        for key in keys:  # the newest entry answers for every prefix it holds
-            self._index[key] = entry_id
+        for key in keys:
+            self._index.setdefault(key, {})[entry_id] = None
         self.num_tokens += n
         while self.num_tokens > self.max_tokens:
             self._evict(next(iter(self._entries)))
@@ -133,7 +134,9 @@ class PrefixCache:
         entry = self._entries.pop(entry_id)
         self.num_tokens -= len(entry.tokens)
         for key in entry.keys:
-            if self._index.get(key) == entry_id:
+            ids = self._index[key]
+            del ids[entry_id]
+            if not ids:
                 del self._index[key]
 
     def clear(self) -> None:

@@ -185,3 +185,17 @@ def test_a_finished_row_is_stored_for_the_next_turn(models, speculative):
     assert [s.cached_prompt_tokens for s in stats] == [
         (len(first[b]) + len(outs[b]) - 1) // 16 * 16 for b in range(2)
     ]
+
+
+def test_an_older_entry_answers_when_a_newer_one_sharing_its_prefix_is_evicted(models):
+    target, _ = models
+    pc = PrefixCache(40, block_size=4)
+    a = _prompt(12, 50)
+    longer = a + _prompt(8, 51)  # holds a's blocks too
+    pc.store(a, _kv(target, a))
+    pc.store(longer, _kv(target, longer))
+    pc.store(a, _kv(target, a))  # held already: only marked as used, so `longer` is now the oldest
+    assert len(pc) == 2
+    pc.store(_prompt(16, 52), _kv(target, _prompt(16, 52)))  # 48 > 40: `longer` goes
+    assert len(pc) == 2 and pc.lookup(longer)[0] == 12  # a's entry still answers for a's blocks
+    assert pc._index.keys() == {k for e in pc._entries.values() for k in e.keys}  # no key of an evicted entry
