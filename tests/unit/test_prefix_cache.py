@@ -188,14 +188,17 @@ def test_a_finished_row_is_stored_for_the_next_turn(models, speculative):
 
 
 def test_an_older_entry_answers_when_a_newer_one_sharing_its_prefix_is_evicted(models):
+    """A prompt's entry, then a longer one holding its blocks (a finished row of that prompt): storing the prompt
+    again finds its own entry (no duplicate), and evicting the longer one leaves the prompt's blocks findable."""
     target, _ = models
-    pc = PrefixCache(40, block_size=4)
+    pc = PrefixCache(1000, block_size=4)
     a = _prompt(12, 50)
-    longer = a + _prompt(8, 51)  # holds a's blocks too
+    longer = a + _prompt(8, 51)
     pc.store(a, _kv(target, a))
     pc.store(longer, _kv(target, longer))
     pc.store(a, _kv(target, a))  # held already: only marked as used, so `longer` is now the oldest
-    assert len(pc) == 2
+    assert (len(pc), pc.num_tokens) == (2, 32)
+    pc.max_tokens = 40
     pc.store(_prompt(16, 52), _kv(target, _prompt(16, 52)))  # 48 > 40: `longer` goes
     assert len(pc) == 2 and pc.lookup(longer)[0] == 12  # a's entry still answers for a's blocks
     assert pc._index.keys() == {k for e in pc._entries.values() for k in e.keys}  # no key of an evicted entry
