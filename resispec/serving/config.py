@@ -28,8 +28,9 @@ class ServerConfig:
     # at most one prefill forward of this size (one request at a time: set it to 1)
     max_prefill_tokens: int = 2048
     # prompt K/V kept for reuse (automatic prefix caching, as vLLM and SGLang do): a prompt seen before is not
-    # prefilled again, one sharing a block-aligned prefix (16 tokens) with a stored one prefills only the rest.
-    # At most this many prompt tokens are stored per model (least recently used evicted), beside the batch cache
+    # prefilled again, one sharing a block-aligned prefix (16 tokens) with a stored one prefills only the rest;
+    # finished requests leave their prompt + output behind (a chat's next turn). At most this many tokens are
+    # stored per model (least recently used evicted), beside the batch cache
     # and outside kv_budget_tokens: their K/V bytes, e.g. ~24 KB a token for the tiny target, 128 KB for Llama 3 8B
     # in bf16. 0 = off. Batched serving only (max_batch_size > 1)
     prefix_cache_tokens: int = 8192
