@@ -202,9 +202,8 @@ def _store_finished(
     for b, row in enumerate(old):
         if id(row) in kept or not row.finished:
             continue
-        seq = (row.prompt + row.generated)[
-            : row.length
-        ]  # the cache holds the tokens before the last (the root)
+        # the cache holds the tokens before the last one (the root)
+        seq = (row.prompt + row.generated)[: row.length]
         if len(seq) < len(row.prompt):
             continue
 
@@ -256,7 +255,7 @@ class BatchedDecoder:
         self.rows: list[BatchRow] = []
         self.cache = new_cache(target)
         self.num_cols = 0  # T: columns of the batch cache
-        self.prefix: PrefixCache | None = None  # stored prompt K/V (enable_prefix_cache)
+        self.prefix: PrefixCache | None = None  # stored prompt and finished-row K/V (enable_prefix_cache)
 
     @classmethod
     def from_decoder(cls, decoder) -> BatchedDecoder:
@@ -338,10 +337,10 @@ class BatchedDecoder:
             finished=max_new_tokens <= 0,
         )
 
-    def enable_prefix_cache(self, max_tokens: int, target_cache: PrefixCache | None = None) -> None:
-        """Reuse the K/V of prompts prefilled before (resispec.decoding.prefix_cache), at most `max_tokens` tokens
-        stored; 0 turns it off. `target_cache`: share one already made for the same target (another decoder's)."""
-        self.prefix = target_cache or (PrefixCache(max_tokens) if max_tokens > 0 else None)
+    def enable_prefix_cache(self, max_tokens: int) -> None:
+        """Reuse the K/V of prompts prefilled before and of finished rows (resispec.decoding.prefix_cache), at most
+        `max_tokens` tokens stored; 0 turns it off."""
+        self.prefix = PrefixCache(max_tokens) if max_tokens > 0 else None
 
     def _join(self, rows: list[BatchRow]) -> None:
         """Prefill the new rows together and merge them into the batch cache."""
@@ -565,9 +564,9 @@ class BatchedSpeculativeDecoder:
         dec._target_fwd, dec._d_fwd = decoder._target_fwd, decoder._draft_fwd
         return dec
 
-    def enable_prefix_cache(self, max_tokens: int, target_cache: PrefixCache | None = None) -> None:
+    def enable_prefix_cache(self, max_tokens: int) -> None:
         """BatchedDecoder.enable_prefix_cache, for the target and the draft (each its own `max_tokens`)."""
-        BatchedDecoder.enable_prefix_cache(self, max_tokens, target_cache)
+        BatchedDecoder.enable_prefix_cache(self, max_tokens)
         self.draft_prefix = PrefixCache(max_tokens) if self.prefix is not None else None
 
     # the row API of BatchedDecoder: add() / add_many() make the rows and call _join; generate() runs rows to the end

@@ -27,9 +27,8 @@ class DecodeStats:
     target_seconds: float = 0.0
     accept_seconds: float = 0.0  # the rule's verification walk (host side), apart from the forwards
     total_seconds: float = 0.0
-    cached_prompt_tokens: int = (
-        0  # prompt tokens whose K/V came from the prefix cache (target), not a forward
-    )
+    # prompt tokens whose K/V came from the prefix cache (the target's), not a forward
+    cached_prompt_tokens: int = 0
 
     def record_step(self, num_nodes: int, num_accepted: int, depth: int) -> None:
         """Count one speculative step: a tree of `num_nodes` nodes (root included) and `depth` levels whose walk

@@ -30,9 +30,9 @@ class ServerConfig:
     # prompt K/V kept for reuse (automatic prefix caching, as vLLM and SGLang do): a prompt seen before is not
     # prefilled again, one sharing a block-aligned prefix (16 tokens) with a stored one prefills only the rest;
     # finished requests leave their prompt + output behind (a chat's next turn). At most this many tokens are
-    # stored per model (least recently used evicted), beside the batch cache
-    # and outside kv_budget_tokens: their K/V bytes, e.g. ~24 KB a token for the tiny target, 128 KB for Llama 3 8B
-    # in bf16. 0 = off. Batched serving only (max_batch_size > 1)
+    # stored per model (least recently used evicted), beside the batch cache and outside kv_budget_tokens: their
+    # K/V bytes, e.g. ~24 KB a token for the tiny target, 128 KB for Llama 3 8B in bf16 (8192 tokens: 1 GiB).
+    # 0 = off. Batched serving only (max_batch_size > 1)
     prefix_cache_tokens: int = 8192
     # torch threads of the decoding thread; null = all cores (all but one on the HF forward: serving_threads)
     num_threads: int | None = None

@@ -66,9 +66,9 @@ class DecoderEngine:
     With `max_batch_size > 1` it also carries a batched decoder over the same pair (`batched`: speculative or AR
     as the engine), which the scheduler uses to decode many requests in one target forward per step. `kv_budget`
     (tokens, None = unbounded) bounds the batch cache; `max_prefill_tokens` the prompt tokens of newcomers
-    prefilled together in one forward; `prefix_cache_tokens` the prompt tokens whose K/V the batched decoder keeps
-    for reuse (per model; 0 = none: resispec.decoding.prefix_cache); `speculation` (auto | always | never) is the scheduler's
-    per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
+    prefilled together in one forward; `prefix_cache_tokens` the tokens whose K/V the batched decoder keeps for
+    reuse (per model; 0 = none: resispec.decoding.prefix_cache); `speculation` (auto | always | never) is the
+    scheduler's per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
     output under decode.tree=auto) is the tree speculative steps draft at each batch size; `greedy_trees_by_batch`
     the same for batches of greedy rows (None: `trees_by_batch`); `seeded_sampling` (invariant | rule) how a seeded
     request samples (`generator`); `threads_at` (running requests -> torch threads, server.threads_by_rows; None:
