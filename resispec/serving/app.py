@@ -147,7 +147,10 @@ class _Server:
             if name in type(req).model_fields and not neutral(getattr(req, name)):
                 raise APIError(400, message, param=name)
         stops = req.stop_list()
-        if len(stops) > self.cfg.max_stop_strings:
+        given = (
+            1 if isinstance(req.stop, str) else len(req.stop or [])
+        )  # empty strings count (the schema's maxItems)
+        if given > self.cfg.max_stop_strings:
             raise APIError(
                 400, f"At most {self.cfg.max_stop_strings} stop strings are supported.", param="stop"
             )
@@ -508,6 +511,9 @@ def _responses(*statuses: int, stream: bool = False) -> dict[int | str, dict]:
     return out
 
 
+_BOUND_NAMES = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
 def _document_limits(schemas: dict, st: _Server) -> None:
     """Write this server's own limits into the request schemas, so a client (or a schema-driven fuzzer) can read
     what is accepted: the one model id, the neutral values of unsupported fields, stop-string bounds, exact
@@ -531,16 +537,50 @@ def _document_limits(schemas: dict, st: _Server) -> None:
                 props[field_name] = neutral
         for field_schema in props.values():
             for sub in field_schema.get("anyOf", [field_schema]):
+                # pydantic leaves the bounds of an annotated int (`Int`) under its own names (ge, le, ...),
+                # which JSON Schema ignores: spell them as JSON Schema's
+                for ours, theirs in _BOUND_NAMES.items():
+                    if ours in sub:
+                        sub[theirs] = sub.pop(ours)
                 for bound in ("minimum", "maximum"):
                     if sub.get("type") == "integer" and isinstance(sub.get(bound), float):
                         sub[bound] = int(sub[bound])
+    # at most the context less one prompt token (a longer prompt leaves less room: then a 400, as vLLM answers)
+    most = st.max_model_len - 1
+    schemas["CompletionRequest"]["properties"]["max_tokens"] = {
+        "anyOf": [{"type": "integer", "minimum": 0, "maximum": most}, {"type": "null"}]
+    }
     chat = schemas["ChatCompletionRequest"]["properties"]
-    chat["max_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}  # 0 is for echo
+    for name in ("max_tokens", "max_completion_tokens"):  # 0 is for echo, which chat has not
+        chat[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": most}, {"type": "null"}]}
+    # the rules that tie two fields (OpenAI's, answered with a 400), in JSON Schema's if / then
+    for name, rules in (
+        (
+            "CompletionRequest",
+            [("stream_options", {"type": "object"}, "stream"), ("max_tokens", {"const": 0}, "echo")],
+        ),
+        (
+            "ChatCompletionRequest",
+            [
+                ("stream_options", {"type": "object"}, "stream"),
+                ("top_logprobs", {"type": "integer"}, "logprobs"),
+            ],
+        ),
+    ):
+        schemas[name]["allOf"] = [
+            {
+                "if": {"properties": {field: value}, "required": [field]},
+                "then": {"properties": {needs: {"const": True}}, "required": [needs]},
+            }
+            for field, value, needs in rules
+        ]
     token_id = {"type": "integer", "minimum": 0, "maximum": st.vocab_size - 1}
+    # an empty string is a prompt when the tokenizer adds a BOS token to it (as vLLM accepts it), else a 400
+    empty_text = 0 if encode_text(st.tokenizer, "") else 1
     schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"] = [
-        {"type": "string", "minLength": 1},
+        {"type": "string", "minLength": empty_text},
         {"type": "array", "items": token_id, "minItems": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": empty_text}, "minItems": 1, "maxItems": 1},
         {
             "type": "array",
             "items": {"type": "array", "items": token_id, "minItems": 1},

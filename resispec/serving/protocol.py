@@ -197,11 +197,12 @@ NEUTRAL_SCHEMAS: dict[str, dict] = {
     ),
 }
 
-# field -> (is the value neutral?, what to say). Checked by the app after validation, in this order.
+# field -> (is the value neutral?, what to say): exactly the values NEUTRAL_SCHEMAS accepts ("" is not an empty
+# list). Checked by the app after validation, in this order.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "n": (lambda v: v == 1, "Only n=1 is supported."),
     "best_of": (lambda v: v is None or v == 1, "Only best_of=1 is supported."),
-    "suffix": (lambda v: not v, "suffix (insertion) is not supported."),
+    "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported."),
     "presence_penalty": (
         lambda v: v == 0,
         "presence_penalty is not supported (the output follows the target).",
@@ -210,10 +211,10 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
         lambda v: v == 0,
         "frequency_penalty is not supported (the output follows the target).",
     ),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported."),
-    "tools": (lambda v: not v, "tools (function calling) are not supported."),
+    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported."),
+    "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported."),
     "tool_choice": (lambda v: v in (None, "none"), "tool_choice is not supported."),
-    "functions": (lambda v: not v, "functions (function calling) are not supported."),
+    "functions": (lambda v: v is None or v == [], "functions (function calling) are not supported."),
     "function_call": (lambda v: v in (None, "none"), "function_call is not supported."),
     "response_format": (
         lambda v: v is None or v == {"type": "text"},

@@ -93,7 +93,8 @@ def test_greedy_completion_equals_decoder(client, oai, pair):
         assert res["object"] == "text_completion" and res["model"] == MODEL
         assert res["choices"][0]["text"] == expected
         assert res["choices"][0]["finish_reason"] == "length"
-        assert res["usage"] == {
+        usage = {k: v for k, v in res["usage"].items() if k != "prompt_tokens_details"}  # cached or not
+        assert usage == {
             "prompt_tokens": len(ids),
             "completion_tokens": 16,
             "total_tokens": len(ids) + 16,

@@ -6,6 +6,7 @@ Uses the session's server subprocess on the micro world (tests/smoke/conftest.py
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -121,6 +122,13 @@ HOSTILE = {
     "tools": (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     "tool_choice": (CHAT, {"model": MODEL, "messages": MSG, "tool_choice": "auto"}, 400, "tool_choice"),
     "functions": (CHAT, {"model": MODEL, "messages": MSG, "functions": [{"name": "f"}]}, 400, "functions"),
+    "functions as an empty string": (
+        C,
+        {**OK, "functions": ""},
+        400,
+        "functions",
+    ),  # only [] or null is neutral
+    "tools as 0": (CHAT, {"model": MODEL, "messages": MSG, "tools": 0}, 400, "tools"),
     "response_format json": (
         CHAT,
         {"model": MODEL, "messages": MSG, "response_format": {"type": "json_object"}},
@@ -150,6 +158,7 @@ HOSTILE = {
     ),
     # bounds, answered at once
     "17 stop strings": (C, {**OK, "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+    "17 empty stop strings": (C, {**OK, "stop": [""] * 17}, 400, "stop"),  # the schema counts them too
     "100k stop strings": (C, {**OK, "stop": ["ab"] * 100_000}, 400, "stop"),
     "stop of 513 chars": (C, {**OK, "stop": "x" * 513}, 400, "stop"),
     "prompt over context": (C, {**OK, "prompt": "token " * 3000}, 400, "prompt"),
@@ -305,6 +314,16 @@ def test_openapi_documents_what_is_sent(conn):
         assert "text/event-stream" in responses["200"]["content"]
         assert "Retry-After" in responses["503"]["headers"]
     assert "ErrorResponse" in doc["components"]["schemas"]
+    # every bound in JSON Schema's words (pydantic leaves an annotated int's as ge / le, which a client ignores)
+    schemas = doc["components"]["schemas"]
+    top = schemas["ChatCompletionRequest"]["properties"]["top_logprobs"]["anyOf"][0]
+    assert (top["minimum"], top["maximum"]) == (0, 20) and not {"ge", "le"} & set(top)
+    text = json.dumps(schemas)
+    assert '"ge"' not in text and '"le"' not in text
+    # the schema's empty-string rule is what the server does with "" (the micro tokenizer adds BOS: accepted)
+    empty = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][0]["minLength"] == 0
+    r = conn.post(C, json={"model": MODEL, "prompt": "", "max_tokens": 1})
+    assert r.status_code == (200 if empty else 400), r.text
 
 
 def test_large_prompt_does_not_stall_a_stream(server, conn):
