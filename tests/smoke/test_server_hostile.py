@@ -320,6 +320,21 @@ def test_openapi_documents_what_is_sent(conn):
     assert (top["minimum"], top["maximum"]) == (0, 20) and not {"ge", "le"} & set(top)
     text = json.dumps(schemas)
     assert '"ge"' not in text and '"le"' not in text
+    most = schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"]
+    r = conn.post(C, json={"model": MODEL, "prompt": "x", "max_tokens": most + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # over the bound: refused
+    # the two-field rules, as if / then: each `then` is what the server demands
+    rules = {
+        (name, next(iter(rule["if"]["required"]))): rule["then"]["required"][0]
+        for name in ("CompletionRequest", "ChatCompletionRequest")
+        for rule in schemas[name]["allOf"]
+    }
+    assert rules == {
+        ("CompletionRequest", "stream_options"): "stream",
+        ("CompletionRequest", "max_tokens"): "echo",
+        ("ChatCompletionRequest", "stream_options"): "stream",
+        ("ChatCompletionRequest", "top_logprobs"): "logprobs",
+    }
     # the schema's empty-string rule is what the server does with "" (the micro tokenizer adds BOS: accepted)
     empty = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][0]["minLength"] == 0
     r = conn.post(C, json={"model": MODEL, "prompt": "", "max_tokens": 1})
