@@ -147,9 +147,8 @@ class _Server:
             if name in type(req).model_fields and not neutral(getattr(req, name)):
                 raise APIError(400, message, param=name)
         stops = req.stop_list()
-        given = (
-            1 if isinstance(req.stop, str) else len(req.stop or [])
-        )  # empty strings count (the schema's maxItems)
+        # as given: empty strings (which stop_list drops) count too, as the schema's maxItems counts them
+        given = 1 if isinstance(req.stop, str) else len(req.stop or [])
         if given > self.cfg.max_stop_strings:
             raise APIError(
                 400, f"At most {self.cfg.max_stop_strings} stop strings are supported.", param="stop"
