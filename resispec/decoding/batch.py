@@ -150,7 +150,10 @@ def _prefill(forward, model, rows: list[BatchRow], kind: str, prefix: PrefixCach
     if not live:
         return [caches[id(r)] for r in rows]
     dev = next(model.parameters()).device
-    fresh = live
+    fresh, whole = (
+        live,
+        set(),
+    )  # rows prefilled from scratch; rows whose prompt was found whole (stored already)
     if prefix is not None:
         fresh = []
         for r in live:
@@ -159,15 +162,13 @@ def _prefill(forward, model, rows: list[BatchRow], kind: str, prefix: PrefixCach
             if not reused:
                 fresh.append(r)
                 continue
-            if reused < len(r.prompt) - 1:  # the rest of the prompt, after the stored columns
-                forward_logits(
-                    forward, torch.tensor([r.prompt[reused:-1]], device=dev), cache, logits_to_keep=1
-                )
-                setattr(r.stats, f"{kind}_forwards", getattr(r.stats, f"{kind}_forwards") + 1)
+            rest = r.prompt[reused:-1]
+            if rest:  # the rest of the prompt, after the stored columns
+                forward_logits(forward, torch.tensor([rest], device=dev), cache, logits_to_keep=1)
+            else:
+                whole.add(id(r))
             caches[id(r)] = cache
-            setattr(
-                r.stats, f"{kind}_seconds", getattr(r.stats, f"{kind}_seconds") + time.perf_counter() - t0
-            )
+            _charge(r, kind, time.perf_counter() - t0, int(bool(rest)))
             if kind == "target":
                 r.stats.cached_prompt_tokens = reused
     if fresh:
@@ -182,12 +183,18 @@ def _prefill(forward, model, rows: list[BatchRow], kind: str, prefix: PrefixCach
         caches.update(zip([id(r) for r in fresh], parts, strict=True))
         share = (time.perf_counter() - t0) / len(fresh)
         for r in fresh:
-            setattr(r.stats, f"{kind}_seconds", getattr(r.stats, f"{kind}_seconds") + share)
-            setattr(r.stats, f"{kind}_forwards", getattr(r.stats, f"{kind}_forwards") + 1)
+            _charge(r, kind, share, 1)
     if prefix is not None:
         for r in live:
-            prefix.store(r.prompt[:-1], caches[id(r)])
+            if id(r) not in whole:
+                prefix.store(r.prompt[:-1], caches[id(r)])
     return [caches[id(r)] for r in rows]
+
+
+def _charge(row: BatchRow, kind: str, seconds: float, forwards: int) -> None:
+    """Add a prefill's seconds and forwards to the row's stats (`kind`: "target" | "draft")."""
+    setattr(row.stats, f"{kind}_seconds", getattr(row.stats, f"{kind}_seconds") + seconds)
+    setattr(row.stats, f"{kind}_forwards", getattr(row.stats, f"{kind}_forwards") + forwards)
 
 
 def _store_finished(

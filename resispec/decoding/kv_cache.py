@@ -223,22 +223,32 @@ def merge_cache_row(cache: DynamicCache, num_rows: int, row_cache: DynamicCache)
             _merge_layer(layer, name, num_rows, None if src is None else getattr(src, name))
 
 
+def cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A cache holding these per-layer (keys, values) tensors as they are (views stay views: a forward appending
+    to it copies them into a buffer of its own, append_kv; merge_cache_row copies them into the batch)."""
+    cache = DynamicCache()
+    cache.layers = []
+    for keys, values in layers:
+        layer = DynamicLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        cache.layers.append(layer)
+    return cache
+
+
 def split_cache_rows(cache: DynamicCache, lengths: list[int]) -> list[DynamicCache]:
     """Row b of a batch cache whose rows are right-aligned (row b owns the last lengths[b] columns) as a batch-1
     cache of its own, for merge_cache_row: views, no copy (a batched prefill of several prompts, split)."""
-    out = []
-    for b, length in enumerate(lengths):
-        row = DynamicCache()
-        row.layers = []
-        for layer in cache.layers:
-            part = DynamicLayer()
-            part.lazy_initialization(layer.keys, layer.values)
-            t = layer.keys.shape[-2]
-            part.keys = layer.keys[b : b + 1, :, t - length :]
-            part.values = layer.values[b : b + 1, :, t - length :]
-            row.layers.append(part)
-        out.append(row)
-    return out
+    t = cache.layers[0].keys.shape[-2]
+    return [
+        cache_of(
+            [
+                (layer.keys[b : b + 1, :, t - n :], layer.values[b : b + 1, :, t - n :])
+                for layer in cache.layers
+            ]
+        )
+        for b, n in enumerate(lengths)
+    ]
 
 
 @torch.inference_mode()  # writes into the decoders' inference-mode buffers

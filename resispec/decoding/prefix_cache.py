@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from resispec.decoding.kv_cache import cache_of
 
 BLOCK_SIZE = 16
 
@@ -87,22 +88,19 @@ class PrefixCache:
                     continue
                 self._entries.move_to_end(entry_id)
                 self.hits += m
-                return m, _as_cache(entry, m)
+                return m, cache_of([(k[..., :m, :], v[..., :m, :]) for k, v in entry.layers])
         return 0, None
 
     def store(self, seq: Sequence[int], cache: DynamicCache) -> None:
         """Keep a copy of `cache` (batch 1, holding exactly `seq`'s K/V) unless the same tokens are stored already
         or it alone exceeds max_tokens; evict the least recently used entries beyond max_tokens."""
-        self.store_layers(seq, [(layer.keys, layer.values) for layer in cache.layers])
+        self.store_layers(seq, lambda: [(layer.keys, layer.values) for layer in cache.layers])
 
     def store_layers(
-        self,
-        seq: Sequence[int],
-        layers: list[tuple[torch.Tensor, torch.Tensor]]
-        | Callable[[], list[tuple[torch.Tensor, torch.Tensor]]],
+        self, seq: Sequence[int], layers: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]
     ) -> None:
-        """store() from per-layer (keys, values) [1, H, len(seq), D] (or a callable returning them, called only if
-        the tokens are to be stored: extracting a row from a batch cache costs a gather)."""
+        """store() from `layers()`, the per-layer (keys, values) [1, H, len(seq), D], called only if the tokens are
+        to be stored (extracting a row from a batch cache costs a gather)."""
         seq = tuple(seq)
         n = len(seq)
         if n == 0 or n > self.max_tokens:
@@ -112,18 +110,15 @@ class PrefixCache:
             if self._entries[same].tokens == seq:
                 self._entries.move_to_end(same)
                 return
-        if callable(layers):
-            layers = layers()
         copies = []
-        for k, v in layers:
+        for k, v in layers():
             if k is None or k.shape[0] != 1 or k.shape[-2] != n:
                 raise ValueError(
                     f"store() needs a batch-1 cache of the {n} tokens, got keys {getattr(k, 'shape', None)}"
                 )
             copies.append((k.clone(), v.clone()))
-        layers = copies
         entry_id, self._next_id = self._next_id, self._next_id + 1
-        self._entries[entry_id] = _Entry(seq, layers, keys)
+        self._entries[entry_id] = _Entry(seq, copies, keys)
         for key in keys:
             self._index.setdefault(key, {})[entry_id] = None
         self.num_tokens += n
@@ -138,21 +133,3 @@ class PrefixCache:
             del ids[entry_id]
             if not ids:
                 del self._index[key]
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._index.clear()
-        self.num_tokens = 0
-
-
-def _as_cache(entry: _Entry, m: int) -> DynamicCache:
-    """A batch-1 cache of the entry's first m tokens: views of its tensors (a forward appending to it copies them
-    into a buffer of its own, resispec.decoding.kv_cache.append_kv; merging it into a batch copies too)."""
-    cache = DynamicCache()
-    cache.layers = []
-    for keys, values in entry.layers:
-        layer = DynamicLayer()
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys[..., :m, :], values[..., :m, :]
-        cache.layers.append(layer)
-    return cache
