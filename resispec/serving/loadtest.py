@@ -502,7 +502,7 @@ def compare_in_process(
             overrides = dict(overrides)
             dec = replace(decode, rule=overrides.pop("rule", decode.rule))
             server = ServerConfig(model_name="resispec", log_level="warning", **overrides)
-            engine = build_engine(target, draft, tokenizer, dec, server, plans=plans)
+            engine = off_main_thread(build_engine, target, draft, tokenizer, dec, server, plans=plans)
             app = create_app(engine, tokenizer, server, dec, max_model_len=max_model_len)
             servers[label] = (*serve_in_thread(app), app)
         # interleaved: per round and level every mode in turn, the order reversed every other round (ABBA), so a
@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> None:
     from resispec.config import register_configs, to_typed
     from resispec.models import load_pair
     from resispec.serving.bench import load_bench_prompts
-    from resispec.serving.server import context_length
+    from resispec.serving.server import context_length, off_main_thread
     from resispec.serving.text import decode_ids
 
     register_configs()
@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> None:
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(config_name="bench", overrides=sys.argv[1:] if argv is None else argv)
     c = to_typed(cfg)
-    target, draft, tokenizer = load_pair(c.target, c.draft, c.world)
+    target, draft, tokenizer = off_main_thread(load_pair, c.target, c.draft, c.world)
     prompts = [
         decode_ids(tokenizer, p) for p in load_bench_prompts(c.data, tokenizer, c.world, c.bench.num_prompts)
     ]

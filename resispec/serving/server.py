@@ -53,11 +53,15 @@ def threads_by_rows(server: ServerConfig, threads: int) -> Callable[[int], int]:
 def off_main_thread(fn, *args, **kwargs):
     """fn(*args, **kwargs) run in a short-lived thread; its result, or its exception re-raised.
 
-    The server's model work before serving (the planner's timings and calibration) runs here, never on the main
-    thread: with libgomp, once the main thread has run parallel torch work, matmuls in threads started later (the
-    decode thread) ran 2.5x slower on this 2-core machine (1.9 ms -> 4.6-5.0 ms for the same products; the tiny
-    world's server fell from 413 to 184 tok/s at 8 clients), while work done in a thread that has exited leaves
-    no such trace. Measured with torch 2.13 (CPU wheel); `tests/unit/test_serving.py` checks the plumbing."""
+    The server's model work before serving (loading, the decoder's forward, the planner's timings and
+    calibration) runs here, never on the main thread: with libgomp, once the main thread has run parallel torch
+    work, its OpenMP team outlives it, and threads started later (the decode thread) ran 1.5-2.5x slower on this
+    2-core machine. More OpenMP threads than cores make libgomp's idle threads sleep at once instead of spinning,
+    so each of a step's hundreds of small parallel regions waits for a wake-up: the decode thread's 8-row AR step
+    went from 10.4 to 15-16 ms at 1.2-1.3 cores busy instead of 2. Work done in a thread that has exited leaves no
+    such trace (its team goes with it). Measured with torch 2.13 (CPU wheel): a 2.5x slower planner on the main
+    thread (the server fell from 413 to 184 tok/s at 8 clients), and the fast forward's weight packing on the main
+    thread (batched AR at 8 clients: 513 against 639 tok/s, 1.83 against 1.30 ms per token). `tests/unit/test_serving.py` checks the plumbing."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(
@@ -188,10 +192,15 @@ def build_app(
     data: DataConfig | None = None,
 ):
     """Load the pair named by the configs and return the FastAPI app serving it. `data`: where decode.tree=auto
-    takes its calibration prompts (the eval split)."""
+    takes its calibration prompts (the eval split). Every piece of model work here (loading, or building the
+    embedded world; the decoder's forward, whose construction concatenates and packs weights; the planner) runs
+    off the main thread (off_main_thread)."""
 
-    target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
-    own_forward = decode.fast_forward and fast_forward(target) is not target
+    def load():
+        target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
+        return target, draft, tokenizer, decode.fast_forward and fast_forward(target) is not target
+
+    target, draft, tokenizer, own_forward = off_main_thread(load)
     threads = serving_threads(server, spare_core=not own_forward)
     prompts = None
     if decode.planned and decode.rule not in AR_RULES and data is not None and decode.plan_prompts > 0:
