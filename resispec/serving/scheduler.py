@@ -96,6 +96,36 @@ class RequestTooLargeError(ValueError):
     """The request's prompt + max_tokens can never fit in the KV budget (400)."""
 
 
+class Outbox:
+    """What the decode thread hands to requests during one cycle (token chunks, ends), delivered when the cycle is
+    over: one wake-up of each event loop per cycle, where one per request and chunk cost the decode thread 5% of its
+    time at 8 clients (each cross-thread wake-up writes to the loop's self-pipe and waits for the interpreter)."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+
+    def put(self, job, item) -> None:
+        self._items.append((job, item))
+
+    def flush(self) -> None:
+        """Deliver what was put, in order, with one call_soon_threadsafe per event loop."""
+        items, self._items = self._items, []
+        by_loop: dict = {}
+        for job, item in items:
+            by_loop.setdefault(job.loop, []).append((job, item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, puts)
+            except RuntimeError:  # the loop is gone (server shutting down): nobody is listening
+                for job, _ in puts:
+                    job.cancel()
+
+
+def _deliver(puts: list) -> None:
+    for job, item in puts:
+        job.events.put_nowait(item)
+
+
 @dataclass(eq=False)
 class _Task:
     """One running request."""
@@ -229,6 +259,7 @@ class Scheduler:
         self.tasks: list[_Task] = []
         self._cv = threading.Condition()
         self._closed = False
+        self._outbox = Outbox()  # the decode thread's hand-offs, delivered once per cycle
         self._thread = threading.Thread(target=self._run, name="resispec-decode", daemon=True)
         self._thread.start()
 
@@ -252,6 +283,7 @@ class Scheduler:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
             job.on_cancel = self._gauges
+            job.outbox = self._outbox
             self.waiting.append(job)
             self._gauges()
             self._cv.notify()
@@ -289,10 +321,13 @@ class Scheduler:
                     self._finish(task, exc)
                 if self.batched is not None:
                     self.batched.reset()
+            finally:
+                self._outbox.flush()
         for task in list(self.tasks):
             self._finish(task)
         while self.waiting:
             self.waiting.popleft().finish()
+        self._outbox.flush()
 
     def _columns(self, job) -> int:
         """Most cache columns the job's row can need: prompt + max_tokens; on the speculative batch, rejected tree

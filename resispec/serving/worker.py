@@ -165,6 +165,7 @@ class Job:
         self.prompt_logprobs: list | None = None  # with echo: set before the first chunk or the end is put
         self.submitted = time.perf_counter()
         self.on_cancel: Any = None  # set by the scheduler
+        self.outbox: Any = None  # set by the scheduler: its decode thread's hand-offs go out once per cycle
 
     def cancel(self) -> None:
         """Ask the worker to stop this generation (or skip it when still queued). Safe from any thread."""
@@ -174,6 +175,9 @@ class Job:
                 self.on_cancel()  # the gauges stop counting it now, not at the next step boundary
 
     def _put(self, item: Any) -> None:
+        if self.outbox is not None:
+            self.outbox.put(self, item)
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
         except RuntimeError:  # the loop is gone (server shutting down): nobody is listening

@@ -527,6 +527,42 @@ def test_off_main_thread_returns_and_raises_from_another_thread():
         off_main_thread(lambda: {}["boom"])
 
 
+def test_outbox_delivers_a_cycle_in_one_wakeup_per_loop_in_order():
+    """The decode thread's hand-offs of one cycle reach each event loop in one call_soon_threadsafe, each job's
+    items in the order they were put; a loop that is gone cancels its jobs instead of raising."""
+    from types import SimpleNamespace
+
+    from resispec.serving.scheduler import Outbox
+
+    class Loop:
+        def __init__(self, closed=False):
+            self.calls, self.closed = [], closed
+
+        def call_soon_threadsafe(self, fn, *args):
+            if self.closed:
+                raise RuntimeError("Event loop is closed")
+            self.calls.append((fn, args))
+
+    def job(loop):
+        return SimpleNamespace(loop=loop, events=asyncio.Queue(), cancel=lambda: cancelled.append(loop))
+
+    cancelled = []
+    one, two, gone = Loop(), Loop(), Loop(closed=True)
+    a, b, c, d = job(one), job(one), job(two), job(gone)
+    box = Outbox()
+    for j, item in ((a, [1]), (b, [7]), (a, [2, 3]), (c, [9]), (d, [5]), (a, "end")):
+        box.put(j, item)
+    box.flush()
+    assert len(one.calls) == len(two.calls) == 1 and cancelled == [gone]
+    for loop in (one, two):
+        fn, args = loop.calls[0]
+        fn(*args)
+    assert [a.events.get_nowait() for _ in range(3)] == [[1], [2, 3], "end"]
+    assert b.events.get_nowait() == [7] and c.events.get_nowait() == [9] and d.events.empty()
+    box.flush()  # nothing left: no call
+    assert len(one.calls) == 1
+
+
 def test_build_app_does_its_model_work_off_the_main_thread(monkeypatch):
     """Loading, the decoder's forward (its weights are concatenated and packed when it is built) and the engine run
     in a thread that exits: parallel torch work on the main thread leaves an OpenMP team behind that slowed the
