@@ -11,6 +11,10 @@ max tokens and torch.Generator. They join and leave at step boundaries:
                     THE sampling transform (resispec.sampling) and its own generator, checks its own stops;
                     finished rows leave the batch.
   remove(row)       drop a row now (a cancelled request).
+  prefill_part(...) chunked prefill: forward the next part of a prompt that has not joined yet into caches of its
+                    own (PartialPrefill); passed to add_many as `partial`, the row's prefill then forwards only the
+                    rest. A server runs one part per step boundary, so running rows wait at most one part's forward
+                    for a long newcomer, not its whole prefill.
 
 Cache layout (resispec.decoding.kv_cache, "batched caches"): one DynamicCache of T columns; rows are right-aligned
 (row b owns the last lengths[b] columns, the padding before them is hidden by a 4D additive mask) and position ids
@@ -73,6 +77,7 @@ class BatchRow:
         default_factory=list
     )  # speculative: committed tokens not yet in the draft cache
     started: float = field(default_factory=time.perf_counter)
+    partial: PartialPrefill | None = None  # its prompt's prefill so far (chunked prefill), until it joins
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +94,55 @@ class BatchRow:
         )
         self.stats.total_seconds = time.perf_counter() - self.started
         return self.finished
+
+
+@dataclass(eq=False)
+class PartialPrefill:
+    """A prompt's prefill done in parts before its row joins (BatchedDecoder.prefill_part): per model kind
+    ("target", "draft"), a batch-1 cache of the first `done` tokens of prompt[:-1], and the seconds and forwards
+    spent on it (charged to the row's stats when it joins). `cached`: the tokens the first part found in the
+    prefix cache."""
+
+    prompt: list[int]
+    done: int = 0
+    cached: int = 0
+    caches: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+    forwards: dict = field(default_factory=dict)
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens the row's own prefill still has to forward (its last token is the root, never forwarded)."""
+        return max(len(self.prompt) - 1 - self.done, 0)
+
+
+def _prefill_part(models, part: PartialPrefill, tokens: int) -> None:
+    """Forward the next `tokens` tokens of part.prompt[:-1] through each model (kind, forward, model, prefix cache)
+    into the part's cache of that kind. The first part starts after the longest prefix of the prompt that every
+    model's prefix cache holds."""
+    seq = part.prompt[:-1]
+    if not part.caches:
+        found = []
+        for kind, _, model, prefix in models:
+            t0 = time.perf_counter()
+            m, cache = prefix.lookup(seq) if prefix is not None else (0, None)
+            found.append((kind, model, m, cache, time.perf_counter() - t0))
+        part.done = part.cached = min(m for _, _, m, _, _ in found)
+        for kind, model, m, cache, seconds in found:
+            if part.done == 0:
+                cache = new_cache(model)
+            elif m > part.done:
+                crop_cache(cache, part.done)
+            part.caches[kind], part.seconds[kind], part.forwards[kind] = cache, seconds, 0
+    end = min(part.done + max(tokens, 1), len(seq))
+    if end > part.done:
+        for kind, forward, model, _ in models:
+            t0 = time.perf_counter()
+            ids = torch.tensor([seq[part.done : end]], device=next(model.parameters()).device)
+            forward_logits(forward, ids, part.caches[kind], logits_to_keep=1)
+            part.seconds[kind] += time.perf_counter() - t0
+            part.forwards[kind] += 1
+        part.done = end
 
 
 def _slot_order(old: list[BatchRow], keep: list[BatchRow], device) -> tuple[list[BatchRow], torch.Tensor]:
@@ -144,33 +198,40 @@ def _prefill(forward, model, rows: list[BatchRow], kind: str, prefix: PrefixCach
 
     With a `prefix` cache, a row whose prompt begins with a stored prefix starts from that K/V: a prompt seen
     before needs no forward, one sharing a block-aligned prefix forwards only the rest (alone, after the stored
-    columns); the rest are prefilled together as above, and every prompt's K/V is then stored."""
+    columns); the rest are prefilled together as above, and every prompt's K/V is then stored. A row prefilled in
+    parts (`row.partial`, prefill_part) starts from its part's cache the same way."""
     live = [r for r in rows if len(r.prompt) > 1]
     caches = {id(r): new_cache(model) for r in rows}
     if not live:
         return [caches[id(r)] for r in rows]
     dev = next(model.parameters()).device
     fresh, whole = (
-        live,
+        [],
         set(),
     )  # rows prefilled from scratch; rows whose prompt was found whole (stored already)
-    if prefix is not None:
-        fresh = []
-        for r in live:
-            t0 = time.perf_counter()
+    for r in live:
+        t0 = time.perf_counter()
+        part = r.partial
+        if part is not None and kind in part.caches:  # prefilled in parts so far (prefill_part)
+            reused, cache, cached = part.done, part.caches[kind], part.cached
+            _charge(r, kind, part.seconds[kind], part.forwards[kind])
+        elif prefix is not None:
             reused, cache = prefix.lookup(r.prompt[:-1])
-            if not reused:
-                fresh.append(r)
-                continue
-            rest = r.prompt[reused:-1]
-            if rest:  # the rest of the prompt, after the stored columns
-                forward_logits(forward, torch.tensor([rest], device=dev), cache, logits_to_keep=1)
-            else:
+            cached = reused
+            if reused == len(r.prompt) - 1:
                 whole.add(id(r))
-            caches[id(r)] = cache
-            _charge(r, kind, time.perf_counter() - t0, int(bool(rest)))
-            if kind == "target":
-                r.stats.cached_prompt_tokens = reused
+        else:
+            reused = 0
+        if not reused:
+            fresh.append(r)
+            continue
+        rest = r.prompt[reused:-1]
+        if rest:  # the rest of the prompt, after the columns it starts from
+            forward_logits(forward, torch.tensor([rest], device=dev), cache, logits_to_keep=1)
+        caches[id(r)] = cache
+        _charge(r, kind, time.perf_counter() - t0, int(bool(rest)))
+        if kind == "target":
+            r.stats.cached_prompt_tokens = cached
     if fresh:
         t0 = time.perf_counter()
         seqs, block = [r.prompt[:-1] for r in fresh], new_cache(model)
@@ -303,12 +364,31 @@ class BatchedDecoder:
 
     @torch.inference_mode()
     def add_many(self, requests: Sequence[dict]) -> list[BatchRow]:
-        """add() for several rows at once (each dict: add()'s keyword arguments), prefilled by ONE forward over
-        all their prompts (left-padded): at 16 prompts of 64 tokens on the tiny target, 165 ms against 229 ms one
-        by one. Every row is checked before anything runs, so a bad one adds none."""
+        """add() for several rows at once (each dict: add()'s keyword arguments, and `partial`: the PartialPrefill
+        of its prompt from prefill_part, if any), prefilled by ONE forward over all their prompts (left-padded): at
+        16 prompts of 64 tokens on the tiny target, 165 ms against 229 ms one by one. Every row is checked before
+        anything runs, so a bad one adds none."""
         rows = [self._new_row(**kw) for kw in requests]
         self._join([r for r in rows if not r.finished])
+        for r in rows:
+            r.partial = None  # its caches are in the batch now
         return rows
+
+    @torch.inference_mode()
+    def prefill_part(self, prompt_ids, tokens: int, part: PartialPrefill | None = None) -> PartialPrefill:
+        """Chunked prefill of a row that has not joined yet: forward the next `tokens` tokens of its prompt (but
+        the last token, as a row's prefill) into `part`'s caches, a new part on the first call (which starts after
+        the longest stored prefix) -> the part. add_many(..., partial=part) then forwards only `part.remaining`
+        tokens. The result is the same as a prefill in one go, up to the float rounding of a different forward
+        shape (as for a prefix-cache hit)."""
+        if part is None:
+            part = PartialPrefill(torch.as_tensor(prompt_ids).reshape(-1).tolist())
+        _prefill_part(self._prefill_models(), part, tokens)
+        return part
+
+    def _prefill_models(self) -> list:
+        """(kind, forward, model, prefix cache) of each model a joining row is prefilled with."""
+        return [("target", self._target_fwd, self.target, self.prefix)]
 
     def _new_row(
         self,
@@ -321,10 +401,13 @@ class BatchedDecoder:
         stop=None,
         stop_checker: StopChecker | None = None,
         generator: torch.Generator | None = None,
+        partial: PartialPrefill | None = None,
     ) -> BatchRow:
         prompt = torch.as_tensor(prompt_ids).reshape(-1).tolist()
         if not prompt:
             raise ValueError("empty prompt")
+        if partial is not None and partial.prompt != prompt:
+            raise ValueError("partial= is the prefill of another prompt")
         if eos_token_id is None:
             eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
         checkers = [c for c in (stop_checker,) if c is not None]
@@ -342,6 +425,7 @@ class BatchedDecoder:
             root=prompt[-1],
             length=len(prompt) - 1,
             finished=max_new_tokens <= 0,
+            partial=partial,
         )
 
     def enable_prefix_cache(self, max_tokens: int) -> None:
@@ -579,8 +663,15 @@ class BatchedSpeculativeDecoder:
     # the row API of BatchedDecoder: add() / add_many() make the rows and call _join; generate() runs rows to the end
     add = BatchedDecoder.add
     add_many = BatchedDecoder.add_many
+    prefill_part = BatchedDecoder.prefill_part
     _new_row = BatchedDecoder._new_row
     generate = BatchedDecoder.generate
+
+    def _prefill_models(self) -> list:
+        models = [("target", self._target_fwd, self.target, self.prefix)]
+        if self.prefill_draft:
+            models.append(("draft", self._d_fwd, self.draft, self.draft_prefix))
+        return models
 
     def _join(self, rows: list[BatchRow]) -> None:
         """The new rows join both caches, each prefilled by one forward over all their prompts. The draft is

@@ -43,7 +43,11 @@ is refused (RequestTooLargeError -> 400). Newcomers are prefilled together betwe
 (`add_many`) over at most `max_prefill_tokens` prompt tokens (at least one request); while others run, one such
 block per step boundary, so running streams stall for at most one prefill forward. (One newcomer per boundary, as
 before, staggered the rows: a wave of 16 clients whose requests reach the server over a few steps joined over 14
-steps, and a right-aligned cache makes every row attend over the longest row's columns.)
+steps, and a right-aligned cache makes every row attend over the longest row's columns.) A newcomer whose prompt
+is longer than `prefill_chunk_tokens` (0 = never) is prefilled in parts while others run (chunked prefill, as
+vLLM's): one part of at most that many tokens per step boundary (`prefill_part`, into caches of its own, outside
+the batch), and it joins with the last part. A long prompt then delays each running stream's next token by one part's forward,
+not by its whole prefill. When nothing runs, it is prefilled in one go.
 """
 
 from __future__ import annotations
@@ -217,6 +221,7 @@ class Scheduler:
         speculation: str = "auto",
         max_prefill_tokens: int = 2048,
         threads_at=None,
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         if speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {SPECULATION}, got {speculation!r}")
@@ -227,7 +232,10 @@ class Scheduler:
         self.threads_at, self._threads = threads_at, None
         self.batched = getattr(engine, "batched", None) if max_batch_size > 1 else None
         self.max_batch_size = max_batch_size if self.batched is not None else 1
+        if prefill_chunk_tokens < 0:
+            raise ValueError(f"server.prefill_chunk_tokens must be >= 0, got {prefill_chunk_tokens}")
         self.kv_budget, self.max_queue, self.max_prefill_tokens = kv_budget, max_queue, max_prefill_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.speculative = bool(getattr(engine, "speculative", False))
         self.spec_batch = self.batched is not None and getattr(self.batched, "draft", None) is not None
         if self.spec_batch:  # a batch that never drafts leaves the draft unfed
@@ -260,6 +268,9 @@ class Scheduler:
         self._cv = threading.Condition()
         self._closed = False
         self._outbox = Outbox()  # the decode thread's hand-offs, delivered once per cycle
+        self._part: tuple | None = (
+            None  # (job, PartialPrefill): the queue head's prefill so far (chunked prefill)
+        )
         self._thread = threading.Thread(target=self._run, name="resispec-decode", daemon=True)
         self._thread.start()
 
@@ -375,25 +386,71 @@ class Scheduler:
         boundary (at least one job). -> how many."""
         busy, admitted = bool(self.tasks), 0
         while True:
-            jobs, tokens = [], 0
+            jobs, tokens, chunk = [], 0, None
             with self._cv:
                 while True:
                     while self.waiting and self.waiting[0].cancelled.is_set():
-                        self.waiting.popleft().finish()  # a client that left while queued costs nothing
+                        gone = self.waiting.popleft()
+                        gone.finish()  # a client that left while queued costs nothing
+                        if self._part is not None and self._part[0] is gone:
+                            self._part = None  # nor does the part of its prefill done so far
                     if not self.waiting or not self._fits(self.waiting[0], jobs):
                         break
                     job = self.waiting[0]
-                    if jobs and tokens + len(job.prompt_ids) > self.max_prefill_tokens:
+                    need = self._prefill_need(job)
+                    long = busy and self.batched is not None and 0 < self.prefill_chunk_tokens < need
+                    if jobs and (long or tokens + need > self.max_prefill_tokens):
+                        break
+                    if long:
+                        chunk = (
+                            job  # too long to prefill between two steps: one part now, at the queue's head
+                        )
                         break
                     jobs.append(self.waiting.popleft())
-                    tokens += len(job.prompt_ids)
+                    tokens += need
                 self._gauges()
+            if chunk is not None:
+                self._prefill_part(chunk)
+                return admitted
             if not jobs:
                 return admitted
             self._start(jobs)
             admitted += len(jobs)
             if busy:
                 return admitted
+
+    def _prefill_need(self, job) -> int:
+        """Prompt tokens the job's prefill would still forward (all of them, less what its parts did)."""
+        part = self._part[1] if self._part is not None and self._part[0] is job else None
+        return len(job.prompt_ids) if part is None else part.remaining + 1
+
+    def _prefill_part(self, job) -> None:
+        """One part (prefill_chunk_tokens) of the queue head's prefill, kept until the job joins; a failure fails
+        the job (it leaves the queue)."""
+        part = self._part[1] if self._part is not None and self._part[0] is job else None
+        t0 = time.perf_counter()
+        try:
+            part = self.batched.prefill_part(job.prompt_ids, self.prefill_chunk_tokens, part)
+        except BaseException as exc:
+            log.exception("prefill failed")
+            self._part = None
+            with self._cv:
+                if self.waiting and self.waiting[0] is job:
+                    self.waiting.popleft()
+                self._gauges()
+            job.error = exc
+            job.finish()
+            return
+        self._prefill_seconds += time.perf_counter() - t0
+        self._part = (job, part)
+
+    def _take_part(self, job):
+        """The job's PartialPrefill, if its prefill was started in parts (it joins now: the slot is freed)."""
+        if self._part is None or self._part[0] is not job:
+            return None
+        part, self._part = self._part[1], None
+        self._prefill_seconds -= sum(part.seconds.values())  # counted in the cycles that ran the parts
+        return part
 
     def _start(self, jobs: list) -> None:
         """Start `jobs`: their scorers and random streams, then their rows, prefilled together (add_many); if
@@ -464,6 +521,7 @@ class Scheduler:
             eos_token_id=self.engine.eos(p),
             stop=p.stop or None,
             generator=task.generator,
+            partial=self._take_part(task.job),
         )
 
     def _step(self) -> None:

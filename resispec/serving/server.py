@@ -174,6 +174,7 @@ def build_engine(
         max_batch_size=server.max_batch_size,
         kv_budget=server.kv_budget_tokens,
         max_prefill_tokens=server.max_prefill_tokens,
+        prefill_chunk_tokens=server.prefill_chunk_tokens,
         prefix_cache_tokens=server.prefix_cache_tokens,
         speculation=server.speculation,
         seeded_sampling=server.seeded_sampling,

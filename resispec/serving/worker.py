@@ -66,7 +66,8 @@ class DecoderEngine:
     With `max_batch_size > 1` it also carries a batched decoder over the same pair (`batched`: speculative or AR
     as the engine), which the scheduler uses to decode many requests in one target forward per step. `kv_budget`
     (tokens, None = unbounded) bounds the batch cache; `max_prefill_tokens` the prompt tokens of newcomers
-    prefilled together in one forward; `prefix_cache_tokens` the tokens whose K/V the batched decoder keeps for
+    prefilled together in one forward; `prefill_chunk_tokens` the part size of a long newcomer's prefill while
+    others run (0 = in one go: chunked prefill, Scheduler); `prefix_cache_tokens` the tokens whose K/V the batched decoder keeps for
     reuse (per model; 0 = none: resispec.decoding.prefix_cache); `speculation` (auto | always | never) is the
     scheduler's per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
     output under decode.tree=auto) is the tree speculative steps draft at each batch size; `greedy_trees_by_batch`
@@ -82,6 +83,7 @@ class DecoderEngine:
         max_batch_size: int = 1,
         kv_budget: int | None = None,
         max_prefill_tokens: int = 2048,
+        prefill_chunk_tokens: int = 0,
         prefix_cache_tokens: int = 0,
         speculation: str = "auto",
         trees_by_batch: dict[int, list[int] | None] | None = None,
@@ -105,6 +107,7 @@ class DecoderEngine:
         self.last_stats = None
         self.max_batch_size, self.kv_budget, self.speculation = max_batch_size, kv_budget, speculation
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.batched = None
         if max_batch_size > 1:
             from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
@@ -208,6 +211,7 @@ class DecodeWorker:
             max_batch_size=getattr(engine, "max_batch_size", 1),
             kv_budget=getattr(engine, "kv_budget", None),
             max_prefill_tokens=getattr(engine, "max_prefill_tokens", 2048),
+            prefill_chunk_tokens=getattr(engine, "prefill_chunk_tokens", 0),
             speculation=getattr(engine, "speculation", "auto"),
             max_queue=max_queue,
             metrics=metrics,

@@ -202,3 +202,53 @@ def test_an_older_entry_answers_when_a_newer_one_sharing_its_prefix_is_evicted(m
     pc.store(_prompt(16, 52), _kv(target, _prompt(16, 52)))  # 48 > 40: `longer` goes
     assert len(pc) == 2 and pc.lookup(longer)[0] == 12  # a's entry still answers for a's blocks
     assert pc._index.keys() == {k for e in pc._entries.values() for k in e.keys}  # no key of an evicted entry
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_prompt_prefilled_in_parts_decodes_as_one_prefilled_at_once(models, speculative):
+    """Chunked prefill (prefill_part): a row that joins after its prompt was prefilled in parts, of any size, emits
+    the greedy tokens of a row prefilled at once, beside a running row; its parts' caches hold what one prefill
+    computes; the first part starts after the longest prefix every model has stored, and the stats count the
+    parts' forwards and the cached tokens."""
+    target, draft = models
+
+    def make():
+        if speculative:
+            return BatchedSpeculativeDecoder(target, draft, "resispec", (2, 1))
+        return BatchedDecoder(target)
+
+    greedy = dict(max_new_tokens=NEW, eos_token_id=[], temperature=0.0)
+    long, other = _prompt(45, 50), _prompt(12, 51)
+    want = _decode(make(), [other, long], temperature=0.0)[0]
+    for size in (1, 7, 16, 44, 100):
+        dec = make()
+        running = dec.add(other, **greedy)
+        dec.step()
+        part = None
+        while part is None or part.remaining:
+            part = dec.prefill_part(long, size, part)
+            dec.step()  # the running row goes on between the parts
+        assert part.done == 44 and part.cached == 0
+        for kind, model in [("target", target)] + [("draft", draft)] * speculative:
+            ref = _kv(model, long[:-1])
+            for mine, full in zip(part.caches[kind].layers, ref.layers, strict=True):
+                torch.testing.assert_close(mine.keys, full.keys, atol=1e-5, rtol=1e-4)
+        row = dec.add_many([dict(prompt_ids=long, partial=part, **greedy)])[0]
+        assert row.partial is None and row.stats.target_forwards == -(-44 // size)
+        while dec.rows:
+            dec.step()
+        assert running.generated == want[0] and row.generated == want[1], size
+    # with stored prefixes: the first part starts after them, and the row's stats count them as cached
+    dec = make()
+    dec.enable_prefix_cache(4096)
+    _decode(dec, [long[:33] + [1, 2, 3]], temperature=0.0)
+    part = dec.prefill_part(long, 4)
+    assert (part.cached, part.done) == (32, 36)
+    part = dec.prefill_part(long, 100, part)
+    row = dec.add_many([dict(prompt_ids=long, partial=part, **greedy)])[0]
+    while dec.rows:
+        dec.step()
+    assert row.generated == want[1] and row.stats.cached_prompt_tokens == 32
+    assert dec.prefix.lookup(long[:-1])[0] == 44  # and the whole prompt is stored as it joins
+    with pytest.raises(ValueError, match="another prompt"):
+        dec.add_many([dict(prompt_ids=other, partial=part, **greedy)])

@@ -974,6 +974,88 @@ def test_newcomers_are_prefilled_together_in_blocks():
         Scheduler(engine, max_batch_size=8, max_prefill_tokens=0)
 
 
+def test_a_long_newcomer_is_prefilled_in_parts_while_others_run():
+    """Chunked prefill: while others run, a newcomer longer than prefill_chunk_tokens is prefilled one part per
+    step boundary (prefill_part) and joins with its last part; the requests behind it wait their turn; with
+    nothing running, or with chunking off, it joins at once; a cancelled one drops its part, and a failing part
+    fails only its request."""
+    import threading
+    from types import SimpleNamespace
+
+    from resispec.decoding.stats import DecodeStats
+    from resispec.serving.scheduler import Scheduler
+
+    log = []
+
+    class Batch:
+        draft = None
+        rows: list = []
+
+        def prefill_part(self, prompt, tokens, part=None):
+            if prompt[0] == -1:
+                raise ValueError("bad prompt")
+            part = part or SimpleNamespace(done=0, seconds={"target": 0.0}, prompt=prompt)
+            part.done = min(part.done + tokens, len(prompt) - 1)
+            part.remaining = len(prompt) - 1 - part.done
+            log.append(("part", len(prompt), part.done))
+            return part
+
+        def add_many(self, requests):
+            log.append(("join", [len(r["prompt_ids"]) for r in requests], [r["partial"] for r in requests]))
+            return [SimpleNamespace(finished=False, stats=DecodeStats()) for _ in requests]
+
+    params = SimpleNamespace(max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0, stop=None, logprobs=None)
+    engine = SimpleNamespace(batched=Batch(), generator=lambda p: None, eos=lambda p: [])
+    sched = Scheduler(engine, max_batch_size=8, prefill_chunk_tokens=10)
+    sched.close()  # no decode thread: _admit is driven by hand below
+    finished = []
+
+    def job(n, first=1):
+        j = SimpleNamespace(
+            prompt_ids=[first] * n,
+            params=params,
+            cancelled=threading.Event(),
+            _put=lambda item: None,
+            error=None,
+        )
+        j.finish = lambda: finished.append(j)
+        return j
+
+    long, short = job(26), job(5)
+    sched.waiting.extend([long, short])
+    sched.tasks.append(SimpleNamespace())  # one running request
+    assert sched._admit() == 0 and log == [("part", 26, 10)]  # one part per step boundary
+    assert sched._admit() == 0 and log[-1] == ("part", 26, 20)  # the short one waits behind it
+    assert (
+        sched._admit() == 2
+    )  # 5 tokens left (and the root): it joins with its part, the short one beside it
+    assert log[-1][:2] == ("join", [26, 5]) and log[-1][2][0].done == 20 and log[-1][2][1] is None
+    assert sched._part is None
+    log.clear()
+    sched.tasks.clear()
+    sched.waiting.append(job(26))  # nothing runs: no one to stall, one prefill
+    assert sched._admit() == 1 and log == [("join", [26], [None])]
+    log.clear()
+    gone, bad, after = job(26), job(26, first=-1), job(3)
+    sched.waiting.extend([gone, bad, after])
+    sched.tasks.append(SimpleNamespace())
+    assert sched._admit() == 0 and sched._part[0] is gone
+    gone.cancelled.set()
+    assert sched._admit() == 0 and gone in finished and sched._part is None  # its part is dropped
+    assert isinstance(bad.error, ValueError) and bad in finished and list(sched.waiting) == [after]
+    assert sched._admit() == 1 and log[-1] == ("join", [3], [None])
+    off = Scheduler(engine, max_batch_size=8, prefill_chunk_tokens=0)
+    off.close()
+    log.clear()
+    off.tasks.append(SimpleNamespace())
+    off.waiting.append(job(26))
+    assert off._admit() == 1 and log == [("join", [26], [None])]
+    import pytest
+
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        Scheduler(engine, max_batch_size=8, prefill_chunk_tokens=-1)
+
+
 def test_no_drafting_probe_breaks_a_batch_in_lockstep():
     """Where the plan says not to speculate, a drafting probe waits while the rows are in lockstep (it would
     stagger them for good); a staggered batch is probed as before, and AR probes where the plan drafts are not
