@@ -30,7 +30,7 @@ class ServerConfig:
     # chunked prefill: while others run, a newcomer whose prompt is longer than this is prefilled in parts of this
     # many tokens, one part per step boundary, and joins with the last, so a long prompt delays the running
     # streams' next tokens by one part's forward, not by its whole prefill (vLLM's chunked prefill). 0 = off
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int = 256
     # prompt K/V kept for reuse (automatic prefix caching, as vLLM and SGLang do): a prompt seen before is not
     # prefilled again, one sharing a block-aligned prefix (16 tokens) with a stored one prefills only the rest;
     # finished requests leave their prompt + output behind (a chat's next turn). At most this many tokens are
