@@ -46,8 +46,8 @@ before, staggered the rows: a wave of 16 clients whose requests reach the server
 steps, and a right-aligned cache makes every row attend over the longest row's columns.) A newcomer whose prompt
 is longer than `prefill_chunk_tokens` (0 = never) is prefilled in parts while others run (chunked prefill, as
 vLLM's): one part of at most that many tokens per step boundary (`prefill_part`, into caches of its own, outside
-the batch), and it joins with the last part. A long prompt then delays each running stream's next token by one part's forward,
-not by its whole prefill. When nothing runs, it is prefilled in one go.
+the batch), and it joins with the last part. A long prompt then delays each running stream's next token by one
+part's forward, not by its whole prefill. When nothing runs, it is prefilled in one go.
 """
 
 from __future__ import annotations
@@ -268,9 +268,8 @@ class Scheduler:
         self._cv = threading.Condition()
         self._closed = False
         self._outbox = Outbox()  # the decode thread's hand-offs, delivered once per cycle
-        self._part: tuple | None = (
-            None  # (job, PartialPrefill): the queue head's prefill so far (chunked prefill)
-        )
+        # (job, PartialPrefill): the queue head's prefill so far (chunked prefill)
+        self._part: tuple | None = None
         self._thread = threading.Thread(target=self._run, name="resispec-decode", daemon=True)
         self._thread.start()
 
@@ -401,10 +400,8 @@ class Scheduler:
                     long = busy and self.batched is not None and 0 < self.prefill_chunk_tokens < need
                     if jobs and (long or tokens + need > self.max_prefill_tokens):
                         break
-                    if long:
-                        chunk = (
-                            job  # too long to prefill between two steps: one part now, at the queue's head
-                        )
+                    if long:  # too long to prefill between two steps: one part now, at the queue's head
+                        chunk = job
                         break
                     jobs.append(self.waiting.popleft())
                     tokens += need

@@ -61,7 +61,8 @@ def off_main_thread(fn, *args, **kwargs):
     went from 10.4 to 15-16 ms at 1.2-1.3 cores busy instead of 2. Work done in a thread that has exited leaves no
     such trace (its team goes with it). Measured with torch 2.13 (CPU wheel): a 2.5x slower planner on the main
     thread (the server fell from 413 to 184 tok/s at 8 clients), and the fast forward's weight packing on the main
-    thread (batched AR at 8 clients: 513 against 639 tok/s, 1.83 against 1.30 ms per token). `tests/unit/test_serving.py` checks the plumbing."""
+    thread (batched AR at 8 clients: 513 against 639 tok/s, 1.83 against 1.30 ms per token).
+    `tests/unit/test_serving.py` checks the plumbing."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(

@@ -67,10 +67,11 @@ class DecoderEngine:
     as the engine), which the scheduler uses to decode many requests in one target forward per step. `kv_budget`
     (tokens, None = unbounded) bounds the batch cache; `max_prefill_tokens` the prompt tokens of newcomers
     prefilled together in one forward; `prefill_chunk_tokens` the part size of a long newcomer's prefill while
-    others run (0 = in one go: chunked prefill, Scheduler); `prefix_cache_tokens` the tokens whose K/V the batched decoder keeps for
-    reuse (per model; 0 = none: resispec.decoding.prefix_cache); `speculation` (auto | always | never) is the
-    scheduler's per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not speculate; the planner's
-    output under decode.tree=auto) is the tree speculative steps draft at each batch size; `greedy_trees_by_batch`
+    others run (0 = in one go: chunked prefill, Scheduler); `prefix_cache_tokens` the tokens whose K/V the batched
+    decoder keeps for reuse (per model; 0 = none: resispec.decoding.prefix_cache); `speculation` (auto | always |
+    never) is the scheduler's per-step drafting policy; `trees_by_batch` (batch-size bucket -> tree, None = do not
+    speculate; the planner's output under decode.tree=auto) is the tree speculative steps draft at each batch size;
+    `greedy_trees_by_batch`
     the same for batches of greedy rows (None: `trees_by_batch`); `seeded_sampling` (invariant | rule) how a seeded
     request samples (`generator`); `threads_at` (running requests -> torch threads, server.threads_by_rows; None:
     leave torch's setting alone) what the scheduler decodes on."""
