@@ -52,6 +52,10 @@ class LoadTestResult:
     label: str = ""
     # the server's batch decode steps in this test, from /metrics: mode ("draft" | "ar") -> [steps, s, tokens]
     steps: dict[str, list[float]] = field(default_factory=dict)
+    # inter-chunk latency: seconds between two streamed chunks of a request (a chunk holds one decode step's
+    # tokens), over every request of the test; a stall of the running streams (a long prefill) shows here first
+    itl_p50: float | None = None
+    itl_p99: float | None = None
 
     @property
     def drafted_share(self) -> float | None:
@@ -142,9 +146,9 @@ async def _one(
     temperature: float,
     seed: int,
     max_tokens: int | None = None,
-) -> tuple[float, float, int]:
+) -> tuple[float, float, int, list[float]]:
     """One streamed completion (max_tokens: bench.max_new_tokens unless given) -> (latency, ttft, completion
-    tokens)."""
+    tokens, the seconds between its chunks of text)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -158,7 +162,7 @@ async def _one(
     if bench.ignore_eos:
         body["ignore_eos"] = True
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, last, gaps = None, 0, None, []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
@@ -168,12 +172,17 @@ async def _one(
             event = json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(event["error"].get("message"))
-            if ttft is None and any(c.get("text") for c in event.get("choices", [])):
-                ttft = time.perf_counter() - t0
+            if any(c.get("text") for c in event.get("choices", [])):
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - t0
+                else:
+                    gaps.append(now - last)
+                last = now
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     latency = time.perf_counter() - t0
-    return latency, latency if ttft is None else ttft, tokens
+    return latency, latency if ttft is None else ttft, tokens, gaps
 
 
 async def _load_test(
@@ -195,7 +204,7 @@ async def _load_test(
         metrics_before = (await client.get("/metrics")).text
         temperature = bench.temperatures[0] if bench.temperatures else 1.0
         sem = asyncio.Semaphore(concurrency)
-        results: list[tuple[float, float, int, int]] = []  # latency, ttft, tokens, max_tokens asked
+        results: list[tuple] = []  # latency, ttft, tokens, gaps between chunks, max_tokens asked
         failures: list[str] = []
 
         async def worker(i: int) -> None:
@@ -222,6 +231,7 @@ async def _load_test(
     latencies = [r[0] for r in results]
     ttfts = [r[1] for r in results]
     tokens = sum(r[2] for r in results)
+    gaps = [g for r in results for g in r[3]]
     return LoadTestResult(
         url=url,
         model=model,
@@ -240,8 +250,10 @@ async def _load_test(
         ttft_p50=percentile(ttfts, 50),
         ttft_p95=percentile(ttfts, 95),
         server_tau=1 + accepted / drafts if drafts > 0 else None,
-        num_short=sum(r[2] < r[3] for r in results) if bench.ignore_eos else 0,
+        num_short=sum(r[2] < r[4] for r in results) if bench.ignore_eos else 0,
         steps=_step_counts(before, after),
+        itl_p50=percentile(gaps, 50) if gaps else None,
+        itl_p99=percentile(gaps, 99) if gaps else None,
     )
 
 
@@ -296,6 +308,7 @@ def merge_rounds(runs: list[LoadTestResult]) -> LoadTestResult:
         return runs[0]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     taus = [r.server_tau for r in runs if r.server_tau is not None]
+    itl = {q: [getattr(r, q) for r in runs if getattr(r, q) is not None] for q in ("itl_p50", "itl_p99")}
     wall = sum(r.wall_seconds for r in runs)
     tokens = sum(r.completion_tokens for r in runs)
     ok = sum(r.num_ok for r in runs)
@@ -313,6 +326,8 @@ def merge_rounds(runs: list[LoadTestResult]) -> LoadTestResult:
         ttft_p50=mean([r.ttft_p50 for r in runs]),
         ttft_p95=mean([r.ttft_p95 for r in runs]),
         server_tau=mean(taus) if taus else None,
+        itl_p50=mean(itl["itl_p50"]) if itl["itl_p50"] else None,
+        itl_p99=mean(itl["itl_p99"]) if itl["itl_p99"] else None,
         num_short=sum(r.num_short for r in runs),
         steps={
             mode: [sum(r.steps[mode][i] for r in runs if mode in r.steps) for i in range(3)]
@@ -360,6 +375,7 @@ SWEEP_COLUMNS = (
     ("ttft_p95", "TTFT p95 s", "{:.3f}"),
     ("latency_p50", "e2e p50 s", "{:.3f}"),
     ("latency_p95", "e2e p95 s", "{:.3f}"),
+    ("itl_p99", "ITL p99 s", "{:.3f}"),
     ("server_tau", "tau", "{:.2f}"),
     ("drafted_share", "drafted", "{:.0%}"),
     ("draft_ms_per_token", "ms/tok drafting", "{:.2f}"),

@@ -628,6 +628,29 @@ def test_load_requests_carry_a_seed_unless_told_not_to():
     assert "seed" not in bodies[-1] and bodies[-1]["temperature"] == 1.0
 
 
+def test_load_requests_time_the_gaps_between_their_streamed_chunks():
+    """ITL: the seconds between two chunks of text of one streamed request; events without text (the usage
+    chunk, a role delta) are not chunks."""
+    import asyncio
+
+    import httpx
+
+    from resispec.serving.config import BenchConfig
+    from resispec.serving.loadtest import _one
+
+    events = ['{"choices": [{"text": "a"}]}'] * 3 + ['{"choices": [{"text": ""}]}']
+    events.append('{"choices": [], "usage": {"completion_tokens": 3}}')
+    body = "".join(f"data: {e}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    async def run():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await _one(client, "m", "hi", BenchConfig(), 1.0, seed=7)
+
+    latency, ttft, tokens, gaps = asyncio.run(run())
+    assert tokens == 3 and len(gaps) == 2 and all(0 <= g <= latency for g in gaps) and ttft <= latency
+
+
 def test_rounds_merge_over_the_summed_wall_clock():
     from resispec.serving.loadtest import LoadTestResult, merge_rounds
 
@@ -650,6 +673,11 @@ def test_rounds_merge_over_the_summed_wall_clock():
     assert m.steps == {"draft": [10, 0.5, 40], "ar": [50, 1.0, 200]}
     assert m.drafted_share == 10 / 60 and m.draft_ms_per_token == 12.5 and m.ar_ms_per_token == 5.0
     assert merge_rounds([a]) is a
+    assert m.itl_p99 is None  # no round timed chunks
+    a.itl_p99, a.itl_p50 = 0.04, 0.01
+    assert merge_rounds([a, b]).itl_p99 == 0.04  # the rounds that did
+    b.itl_p99 = 0.02
+    assert merge_rounds([a, b]).itl_p99 == 0.03
     assert b.drafted_share == 0.0 and b.draft_ms_per_token is None
     assert run(1.0, 8, 1.0, None).drafted_share is None  # no batch steps counted (a peer, a stream server)
 
