@@ -19,33 +19,16 @@ import time
 
 import httpx
 
+from resispec.serving.config import BenchConfig
+from resispec.serving.loadtest import _one, percentile
+
+BENCH = BenchConfig(seeded_requests=False)  # unseeded, ignore_eos: every request runs to its max_tokens
 WORDS = "the of and to in is was for on that with as by at from his her an which or be are this".split()
 
 
 def text(words: int, seed: int) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-async def stream(
-    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, gaps: list | None
-) -> float:
-    """One streamed completion; appends the gaps between its chunks to `gaps` -> its time to first chunk."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-    t0 = time.perf_counter()
-    last = first = None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            first = now - t0 if first is None else first
-            if gaps is not None and last is not None:
-                gaps.append(now - last)
-            last = now
-    return first
 
 
 async def run(args) -> None:
@@ -57,27 +40,24 @@ async def run(args) -> None:
         async def short(i: int) -> None:
             k = 0
             while time.perf_counter() < stop:
-                await stream(client, model, text(40, 1000 * i + k), 48, gaps)
+                gaps.extend((await _one(client, model, text(40, 1000 * i + k), BENCH, 1.0, 0, 48))[3])
                 k += 1
 
         async def long() -> None:
             k = 0
             await asyncio.sleep(1.0)
             while time.perf_counter() < stop - 2:
-                ttfts.append(await stream(client, model, text(args.long_words, 10**6 + k), 8, None))
+                ttfts.append(
+                    (await _one(client, model, text(args.long_words, 10**6 + k), BENCH, 1.0, 0, 8))[1]
+                )
                 k += 1
                 await asyncio.sleep(1.0)
 
         await asyncio.gather(*(short(i) for i in range(args.clients)), long())
-    g = sorted(gaps)
-
-    def q(p: float) -> float:
-        return 1e3 * g[min(len(g) - 1, int(p * len(g)))]
-
+    ms = {q: 1e3 * percentile(gaps, q) for q in (50, 99, 100)}
     print(
-        f"short streams: {len(g)} gaps, p50 {q(0.5):.1f} ms, p99 {q(0.99):.1f} ms, max {1e3 * g[-1]:.1f} ms; "
-        f"long prompts ({len(ttfts)}): TTFT {min(ttfts):.3f}-{max(ttfts):.3f} s, "
-        f"median {sorted(ttfts)[len(ttfts) // 2]:.3f} s"
+        f"short streams: {len(gaps)} gaps, p50 {ms[50]:.1f} ms, p99 {ms[99]:.1f} ms, max {ms[100]:.1f} ms; "
+        f"long prompts ({len(ttfts)}): TTFT {min(ttfts):.3f}-{max(ttfts):.3f} s, median {percentile(ttfts, 50):.3f} s"
     )
 
 

@@ -14,8 +14,9 @@ stored tokens were compared with the prompt's, so a hash collision can never reu
 
 A finished request's prompt and generated tokens are stored too (the target's K/V, as it leaves the batch: the
 batched decoders' `_keep`), so a multi-turn chat's next turn, whose prompt repeats the conversation so far, reuses
-it up to the last whole block the two share (as vLLM, which caches the blocks a request generates). The memory is the decoder's own, beside the batch cache and outside
-`server.kv_budget_tokens`: max_tokens x (K/V bytes per token) per model.
+it up to the last whole block the two share (as vLLM, which caches the blocks a request generates). The memory is
+the decoder's own, beside the batch cache and outside `server.kv_budget_tokens`: max_tokens x (K/V bytes per token)
+per model.
 """
 
 from __future__ import annotations

@@ -391,7 +391,7 @@ class Scheduler:
                     while self.waiting and self.waiting[0].cancelled.is_set():
                         gone = self.waiting.popleft()
                         gone.finish()  # a client that left while queued costs nothing
-                        if self._part is not None and self._part[0] is gone:
+                        if self._part_of(gone) is not None:
                             self._part = None  # nor does the part of its prefill done so far
                     if not self.waiting or not self._fits(self.waiting[0], jobs):
                         break
@@ -416,15 +416,19 @@ class Scheduler:
             if busy:
                 return admitted
 
+    def _part_of(self, job):
+        """The job's PartialPrefill so far, if its prefill was started in parts; else None."""
+        return self._part[1] if self._part is not None and self._part[0] is job else None
+
     def _prefill_need(self, job) -> int:
         """Prompt tokens the job's prefill would still forward (all of them, less what its parts did)."""
-        part = self._part[1] if self._part is not None and self._part[0] is job else None
+        part = self._part_of(job)
         return len(job.prompt_ids) if part is None else part.remaining + 1
 
     def _prefill_part(self, job) -> None:
         """One part (prefill_chunk_tokens) of the queue head's prefill, kept until the job joins; a failure fails
         the job (it leaves the queue)."""
-        part = self._part[1] if self._part is not None and self._part[0] is job else None
+        part = self._part_of(job)
         t0 = time.perf_counter()
         try:
             part = self.batched.prefill_part(job.prompt_ids, self.prefill_chunk_tokens, part)
@@ -443,9 +447,10 @@ class Scheduler:
 
     def _take_part(self, job):
         """The job's PartialPrefill, if its prefill was started in parts (it joins now: the slot is freed)."""
-        if self._part is None or self._part[0] is not job:
+        part = self._part_of(job)
+        if part is None:
             return None
-        part, self._part = self._part[1], None
+        self._part = None
         self._prefill_seconds -= sum(part.seconds.values())  # counted in the cycles that ran the parts
         return part
 
