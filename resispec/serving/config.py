@@ -80,6 +80,9 @@ class BenchConfig:
     draft_rules: dict[str, list[str]] = field(default_factory=dict)
     draft_label: str = "draft"  # label of the configured `draft` in the report
     server_url: str | None = None  # load-test a running server instead (localhost only)
+    # several running servers compared in one run: "LABEL=URL" (or a URL, labelled by its host:port), every level swept
+    # on each in turn (ABBA over bench.rounds), merged per (server, level); the report adds their ratios to the first
+    server_urls: list[str] = field(default_factory=list)
     concurrency: int = 8
     num_requests: int = 32
     concurrencies: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # the load sweep's levels
@@ -89,8 +92,9 @@ class BenchConfig:
     # (equal lengths let batched AR rows run in lockstep waves; four runs did not show that it matters beyond the
     # run-to-run noise: recipes/vllm/README.md, "Unequal request lengths")
     output_len_range_ratio: float = 0.0
-    # in-process comparison (python -m resispec.serving.loadtest): rounds of the whole sweep, every mode in turn at
-    # each level, merged per (mode, level); on a machine whose speed drifts within minutes one round is noise
+    # load sweep and in-process comparison (python -m resispec.serving.loadtest): rounds of the whole sweep, every
+    # server or mode in turn at each level, merged per (server, level); on a machine whose speed drifts within minutes
+    # one round is noise
     rounds: int = 1
     # in-process comparison: the serving modes to compare (labels of loadtest.serving_modes); empty = all five
     modes: list[str] = field(default_factory=list)

@@ -4,6 +4,8 @@ server, not a traffic generator.
 
   run_load_test(url, prompts, bench)     one concurrency level (bench.concurrency)
   run_load_sweep(url, prompts, bench)    every level of bench.concurrencies: table, JSON and plot
+  run_interleaved({label: url}, ...)     several servers in one run, every level on each in turn (ABBA over
+                                         bench.rounds): the same table and plot, with their throughput ratios
   python -m resispec.serving.loadtest [Hydra overrides of the bench config, e.g. bench.max_new_tokens=32]
                                          in-process: the one-at-a-time server (AR, speculative) and continuous
                                          batching (AR, speculative, adaptive) on the same requests, swept, one report
@@ -82,7 +84,7 @@ def check_local(url: str) -> None:
     host = urlparse(url).hostname
     if host not in LOCAL_HOSTS:
         raise ValueError(
-            f"bench.server_url must point at this machine ({', '.join(LOCAL_HOSTS)}), got {host!r}"
+            f"the load test's server URL must point at this machine ({', '.join(LOCAL_HOSTS)}), got {host!r}"
         )
 
 
@@ -337,30 +339,83 @@ def merge_rounds(runs: list[LoadTestResult]) -> LoadTestResult:
     )
 
 
+class ServerListError(UserError, ValueError):
+    """bench.server_url / bench.server_urls do not name a usable set of servers."""
+
+
+def parse_servers(server_url: str | None, server_urls: list[str]) -> dict[str, str]:
+    """bench.server_url and bench.server_urls ("LABEL=URL" or a bare URL, labelled by its host:port) -> {label:
+    url}, in the order given (the first is the report's base for the ratios); empty when neither is set."""
+    entries = ([server_url] if server_url else []) + list(server_urls)
+    servers: dict[str, str] = {}
+    for entry in entries:
+        label, sep, url = entry.partition("=")
+        if not sep or "://" in label:  # a bare URL (the label part would be a scheme)
+            label, url = "", entry
+        url = url.strip()
+        if not url.startswith(("http://", "https://")):
+            raise ServerListError(f"bench.server_urls: {entry!r} is not LABEL=URL or an http(s) URL")
+        parsed = urlparse(url)
+        label = label.strip() or (
+            "server" if len(entries) == 1 else f"{parsed.hostname}:{parsed.port or parsed.scheme}"
+        )
+        if label in servers:
+            raise ServerListError(f"bench.server_urls: the label {label!r} is given twice; label each server")
+        servers[label] = url
+    return servers
+
+
 def run_load_sweep(
-    url: str,
+    url: str, prompts: list[str], bench: BenchConfig, label: str = "server", **kwargs
+) -> list[LoadTestResult]:
+    """One server's sweep: one load test per level of bench.concurrencies (each max(num_requests, level) requests,
+    the same prompts and seeds; bench.rounds rounds, merged). kwargs: run_interleaved's (api_key, model,
+    output_dir for the sweep table, JSON and plot, show)."""
+    return run_interleaved({label: url}, prompts, bench, **kwargs)
+
+
+def run_interleaved(
+    servers: dict[str, str],
     prompts: list[str],
     bench: BenchConfig,
     api_key: str | None = None,
     model: str | None = None,
     output_dir: str | Path | None = None,
     show: bool = True,
-    label: str = "server",
+    title: str = "",
 ) -> list[LoadTestResult]:
-    """One load test per level of bench.concurrencies (each max(num_requests, level) requests, the same prompts and
-    seeds); writes the sweep table, JSON and plot into output_dir."""
-    _check(url, prompts, bench)
-    results = []
-    for level in bench.concurrencies:
-        res = asyncio.run(
-            _load_test(url.rstrip("/"), prompts, bench, api_key, model, level, max(bench.num_requests, level))
-        )
-        res.label = label
-        results.append(res)
+    """Load-test several servers ({label: url}, localhost only) in one run: for each of bench.rounds rounds and each
+    level of bench.concurrencies, every server in turn, the order reversed every other round (ABBA), so a machine
+    whose speed drifts within minutes weighs on every server alike. Each (server, level) is merged over its rounds
+    (merge_rounds). The report (output_dir: sweep.md / .json / .png) adds each server's throughput relative to the
+    first one and its p95 latency relative to its own lone request (comparison_table). model: the model name sent
+    to every server; None asks each server's /v1/models."""
+    from tqdm.auto import tqdm
+
+    if not servers:
+        raise ServerListError("no server to load-test")
+    for url in servers.values():
+        _check(url, prompts, bench)
+    labels, rounds = list(servers), max(1, bench.rounds)
+    runs: dict[tuple[str, int], list[LoadTestResult]] = {}
+    total = rounds * len(bench.concurrencies) * len(labels)
+    with tqdm(total=total, desc="load sweep", unit="test", disable=not show or total == 1) as bar:
+        for r in range(rounds):
+            for level in bench.concurrencies:
+                for label in labels if r % 2 == 0 else labels[::-1]:
+                    bar.set_postfix_str(f"{label}, {level} clients")
+                    url = servers[label].rstrip("/")
+                    res = asyncio.run(
+                        _load_test(url, prompts, bench, api_key, model, level, max(bench.num_requests, level))
+                    )
+                    res.label = label
+                    runs.setdefault((label, level), []).append(res)
+                    bar.update()
+    results = [merge_rounds(runs[(label, level)]) for label in labels for level in bench.concurrencies]
     if output_dir is not None:
-        write_sweep_report(results, output_dir)
+        write_sweep_report(results, output_dir, title)
     if show:
-        print(sweep_table(results))
+        print(sweep_report_text(results))
     return results
 
 
@@ -396,6 +451,51 @@ def sweep_table(results: list[LoadTestResult]) -> str:
     return "\n".join(lines)
 
 
+def comparison_table(results: list[LoadTestResult]) -> str:
+    """What a sweep's goals are stated in, per level: each server's tokens/s over the first server's (several
+    servers), and each server's p95 latency over its own lone request (its p50 at 1 client, where the sweep has
+    that level). Empty when neither applies."""
+    labels = list(dict.fromkeys(r.label for r in results))
+    levels = list(dict.fromkeys(r.concurrency for r in results))
+    by = {(r.label, r.concurrency): r for r in results}
+    base = labels[0] if labels else ""
+    others = labels[1:]
+    lone = {lab: by[(lab, 1)].latency_p50 for lab in labels if (lab, 1) in by and by[(lab, 1)].num_ok}
+    if not others and not lone:
+        return ""
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if not a or not b or math.isnan(a) or math.isnan(b) else f"{a / b:.2f}x"
+
+    def get(label: str, level: int, key: str) -> float | None:
+        return getattr(by.get((label, level)), key, None)
+
+    head = [f"{lab} / {base} tok/s" for lab in others] + [f"{lab}: p95 / lone" for lab in lone]
+    lines = ["| clients | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for level in levels:
+        cells = [
+            ratio(get(lab, level, "tokens_per_second"), get(base, level, "tokens_per_second"))
+            for lab in others
+        ]
+        cells += [ratio(get(lab, level, "latency_p95"), lone[lab]) for lab in lone]
+        lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    caption = (
+        f"Throughput relative to {base}, and each server's e2e p95 latency over its lone request (its p50 at 1 "
+        "client), per level"
+        if others and lone
+        else f"Throughput relative to {base}, per level"
+        if others
+        else "e2e p95 latency over a lone request (the p50 at 1 client), per level"
+    )
+    return caption + ":\n\n" + "\n".join(lines)
+
+
+def sweep_report_text(results: list[LoadTestResult]) -> str:
+    """The sweep table, then the comparison table where there is one."""
+    comparison = comparison_table(results)
+    return sweep_table(results) + ("\n\n" + comparison if comparison else "")
+
+
 def write_sweep_report(results: list[LoadTestResult], output_dir: str | Path, title: str = "") -> Path:
     """sweep.md (table), sweep.json and sweep.png (throughput and p95 latency against clients, one line per
     server) in output_dir; returns the markdown path."""
@@ -403,7 +503,7 @@ def write_sweep_report(results: list[LoadTestResult], output_dir: str | Path, ti
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
     md = out / "sweep.md"
-    md.write_text(f"# resispec load sweep{': ' + title if title else ''}\n\n{sweep_table(results)}\n")
+    md.write_text(f"# resispec load sweep{': ' + title if title else ''}\n\n{sweep_report_text(results)}\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -490,9 +590,9 @@ def compare_in_process(
     show: bool = True,
 ) -> list[LoadTestResult]:
     """Serve the loaded pair once per mode (each a uvicorn in a thread on a free localhost port, all up together)
-    and load each with the same requests, interleaved: bench.rounds rounds of every concurrency level, every mode in
-    turn at each level (ABBA order). One table and plot for all, each (mode, level) merged over its rounds
-    (merge_rounds)."""
+    and load each with the same requests, interleaved (run_interleaved: bench.rounds rounds of every concurrency
+    level, every mode in turn at each level, ABBA order). One table and plot for all, each (mode, level) merged over
+    its rounds."""
     from resispec.serving.app import create_app
     from resispec.serving.config import ServerConfig
     from resispec.serving.server import (
@@ -521,18 +621,9 @@ def compare_in_process(
             engine = off_main_thread(build_engine, target, draft, tokenizer, dec, server, plans=plans)
             app = create_app(engine, tokenizer, server, dec, max_model_len=max_model_len)
             servers[label] = (*serve_in_thread(app), app)
-        # interleaved: per round and level every mode in turn, the order reversed every other round (ABBA), so a
-        # machine that drifts within minutes weighs on every mode alike
-        runs: dict[tuple[str, int], list[LoadTestResult]] = {}
-        labels = list(servers)
-        for r in range(max(1, bench.rounds)):
-            for level in bench.concurrencies:
-                for label in labels if r % 2 == 0 else labels[::-1]:
-                    one = replace(bench, concurrencies=[level])
-                    res = run_load_sweep(servers[label][0], prompts, one, show=False, label=label)[0]
-                    runs.setdefault((label, level), []).append(res)
-        results = [merge_rounds(runs[(label, level)]) for label in labels for level in bench.concurrencies]
-        costs = {label: servers[label][3].state.server.worker.scheduler.cost_table() for label in labels}
+        urls = {label: s[0] for label, s in servers.items()}
+        results = run_interleaved(urls, prompts, bench, show=False)
+        costs = {label: s[3].state.server.worker.scheduler.cost_table() for label, s in servers.items()}
     finally:
         for _, uv, _, _ in servers.values():
             uv.should_exit = True
@@ -570,7 +661,7 @@ def compare_in_process(
         md = write_sweep_report(results, output_dir, title=f"rule {decode.rule}, tree {decode.tree}")
         md.write_text(md.read_text() + cost_md + "\n")
     if show:
-        print(sweep_table(results) + "\n" + cost_md)
+        print(sweep_report_text(results) + "\n" + cost_md)
     return results
 
 

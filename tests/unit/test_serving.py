@@ -445,6 +445,79 @@ def test_server_flag_becomes_override():
     assert mod._server_flag_to_override(["--server=http://localhost:2"]) == [
         "bench.server_url=http://localhost:2"
     ]
+    # several servers (or a labelled one): one quoted list, which Hydra reads back as written
+    flags = ["--server", "batched AR=http://127.0.0.1:1", "a=b", "--server=it's=http://localhost:2"]
+    overrides = mod._server_flag_to_override(flags)
+    assert overrides[1:] == ["a=b"]
+    from hydra import compose, initialize_config_dir
+
+    from resispec.config import register_configs, to_typed
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[2] / "conf"), version_base="1.3"):
+        cfg = to_typed(compose(config_name="bench", overrides=overrides[:1]))
+    assert cfg.bench.server_urls == ["batched AR=http://127.0.0.1:1", "it's=http://localhost:2"]
+
+
+def test_servers_are_parsed_with_labels_and_bad_lists_are_refused():
+    from resispec.serving.loadtest import ServerListError, parse_servers
+
+    assert parse_servers(None, []) == {}
+    assert parse_servers("http://127.0.0.1:5", []) == {"server": "http://127.0.0.1:5"}
+    assert parse_servers(None, ["ar=http://127.0.0.1:5", "http://localhost:6/", "x?=http://[::1]:7"]) == {
+        "ar": "http://127.0.0.1:5",
+        "localhost:6": "http://localhost:6/",
+        "x?": "http://[::1]:7",
+    }
+    for bad, match in (
+        (["ar"], "not LABEL=URL"),
+        (["a=ftp://x"], "not LABEL=URL"),
+        (["a=http://127.0.0.1:1", "a=http://127.0.0.1:2"], "given twice"),
+        (["http://127.0.0.1:1", "http://127.0.0.1:1"], "given twice"),
+    ):
+        with pytest.raises(ServerListError, match=match):
+            parse_servers(None, bad)
+
+
+def test_interleaved_sweep_alternates_the_servers_and_reports_their_ratios(serve_fake, tmp_path):
+    from resispec.serving.loadtest import comparison_table, run_interleaved
+
+    log = []
+
+    class Logged(FakeEngine):
+        def __init__(self, name: str, delay: float) -> None:
+            super().__init__(delay)
+            self.name = name
+
+        def stream(self, prompt_ids, params):
+            log.append(self.name)
+            return super().stream(prompt_ids, params)
+
+    urls = {"slow": serve_fake(Logged("slow", 0.03)), "fast": serve_fake(Logged("fast", 0.003))}
+    bench = BenchConfig(concurrencies=[1, 2], num_requests=2, max_new_tokens=6, temperatures=[0.0], rounds=2)
+    results = run_interleaved(urls, ["abc"], bench, output_dir=tmp_path, show=False)
+    # every level on each server in turn, the order reversed in the second round (ABBA); 2 requests per test
+    assert (
+        log[::2] == ["slow", "fast", "slow", "fast", "fast", "slow", "fast", "slow"] and log[::2] == log[1::2]
+    )
+    assert [(r.label, r.concurrency, r.num_ok, r.num_requests) for r in results] == [
+        ("slow", 1, 4, 4),
+        ("slow", 2, 4, 4),
+        ("fast", 1, 4, 4),
+        ("fast", 2, 4, 4),
+    ]
+    by = {(r.label, r.concurrency): r for r in results}
+    md = (tmp_path / "sweep.md").read_text()
+    assert "| clients | fast / slow tok/s | slow: p95 / lone | fast: p95 / lone |" in md
+    for level in (1, 2):
+        row = next(line for line in md.splitlines() if line.startswith(f"| {level} |")).split("|")
+        speedup = by[("fast", level)].tokens_per_second / by[("slow", level)].tokens_per_second
+        assert row[2].strip() == f"{speedup:.2f}x" and speedup > 1.5
+        assert row[3].strip() == f"{by[('slow', level)].latency_p95 / by[('slow', 1)].latency_p50:.2f}x"
+    assert json.loads((tmp_path / "sweep.json").read_text())[0]["label"] == "slow"
+    # one server without a lone level: nothing to compare
+    assert comparison_table([by[("slow", 2)]]) == ""
+    assert comparison_table([by[("slow", 1)]]).startswith("e2e p95 latency over a lone request")
 
 
 def test_encode_chat_uses_the_tokenizer_template_when_present():
