@@ -10,19 +10,19 @@ Paths a request can take:
 Speculation adapts to load (`server.speculation`: auto | always | never), step by step: the batched speculative
 decoder can take a plain autoregressive step for any row (`step(draft=flags)`) and stay exact. Under `auto` the
 scheduler keeps an online cost model of each mode (`StepCostModel`; per drafted tree and, as greedy rows accept
-more, per class: every row greedy or not): the seconds of its recent pure steps, each
-timed over its whole scheduler cycle (`_cycle`: a newcomer's admission merges its row into caches that drafting
-leaves wider), as a line in the number of rows weighted towards the row count asked about, and the tokens each row
-emits per step. It drafts at R rows when the model predicts fewer seconds per emitted token for drafting than for AR
-steps at R rows; coming from AR, only below SWITCH_MARGIN (the drafting step after AR steps feeds the draft every
-token it skipped, so flipping back and forth costs), or below AGAINST_PLAN_MARGIN where the planner found that
-speculation does not pay at that batch size (the online model is noisy; the plan is a second opinion), and there it
-goes on drafting only while below AGAINST_PLAN_KEEP, and only once both modes have MIN_SAMPLES steps at that
-batch-size bucket (the plan was measured there; the model's line through other sizes' steps is not). Every pure step
-at every batch size feeds its mode's model, so a decision is not taken on a handful of steps: the design before
-compared adjacent steps of the two modes per batch-size bucket, and in a 32-request sweep a bucket decided on 1-3
-such pairs. Until both modes have MIN_SAMPLES steps the planner's plan decides (drafting unless it planned none at that batch size); to measure, the preferred
-mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready (from a batch size's first
+more, per class: every row greedy or not): the seconds of its recent pure steps (the last MODEL_WINDOW of each
+batch-size bucket), each timed over its whole scheduler cycle (`_cycle`: a newcomer's admission merges its row into
+caches that drafting leaves wider), as a line in the number of rows weighted towards the row count asked about, and
+the tokens each row emits per step. It drafts at R rows when the model predicts fewer seconds per emitted token for
+drafting than for AR steps at R rows; coming from AR, only below SWITCH_MARGIN (the drafting step after AR steps
+feeds the draft every token it skipped, so flipping back and forth costs), or below AGAINST_PLAN_MARGIN where the
+planner found that speculation does not pay at that batch size (the online model is noisy; the plan is a second
+opinion), and there it goes on drafting only while below AGAINST_PLAN_KEEP. Every pure step at every batch size
+feeds its mode's model, so a decision is not taken on a handful of steps (the design before compared adjacent steps
+of the two modes per batch-size bucket, and in a 32-request sweep a bucket decided on 1-3 such pairs), but the
+model decides at a batch-size bucket only once both modes have MIN_SAMPLES steps in it: until then the planner's
+plan decides there (drafting unless it planned none at that batch size), as it was measured there and a line
+through other sizes' steps is an extrapolation. To measure, the preferred mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready (from a batch size's first
 step; where the plan says not to speculate, after every EXPLORE_EVERY steps) and after every EXPLORE_EVERY steps at
 that batch size once it is (4x less often while the ratio is beyond CLEAR_MARGIN, or while the model and the plan
 agree that speculation does not pay: at 16 rows on the tiny world the probes were most of the 7-8% of steps that
@@ -80,8 +80,14 @@ CLEAR_MARGIN = 1.5  # ... and 4x less often while the model's ratio is beyond th
 WARMUP_EVERY = 6  # the probing period before the model is ready
 PROBE_STEPS = 3  # steps of the other mode per measurement (the first drafting one pays the draft's catch-up)
 COST_WINDOW = 32  # recent per-token costs per (mode, batch-size bucket), for cost_table()
-MODEL_WINDOW = 96  # recent pure steps per mode that the cost model fits
-MIN_SAMPLES = 3  # pure steps of each mode before the model decides instead of the plan
+# recent pure steps per mode and batch-size bucket that the cost model fits: kept per bucket, so that a load which
+# stays at one batch size for a while does not wash out what the mode cost at the others (one window for all sizes
+# held only 16-row AR steps after a minute at 16 clients: a flat line through them put an 8-row AR step at a 16-row
+# step's cost, twice the truth, and the server drafted at 8 rows at 0.91x batched AR's tokens/s)
+MODEL_WINDOW = 64
+MIN_SAMPLES = (
+    3  # pure steps of each mode at a batch-size bucket before the model decides there instead of the plan
+)
 # a cycle this many times its mode's median cost per token at that batch size is a stall of the process, not a cost
 # of the mode: one drafting cycle of 333-382 ms among 15-25 ms ones (the second request's first step, in most
 # start-ups of `python serve/server.py`; a pause of the whole interpreter), counted into the mean, put drafting at
@@ -157,15 +163,17 @@ class StepCostModel:
     real, and a median would drop them."""
 
     def __init__(self, window: int = MODEL_WINDOW) -> None:
-        self.steps: deque = deque(maxlen=window)
+        self.window = window
+        # batch-size bucket -> its recent steps (rows, seconds, tokens)
+        self.by_bucket: dict[int, deque] = {}
         self._fits: dict[int, tuple[float, float, float]] = {}  # rows -> fit around them, until the next step
         self._array: np.ndarray | None = None  # the steps as [n, 3] floats, until the next step
 
     def __len__(self) -> int:
-        return len(self.steps)
+        return sum(len(steps) for steps in self.by_bucket.values())
 
     def add(self, rows: int, seconds: float, tokens: int) -> None:
-        self.steps.append((rows, seconds, tokens))
+        self.by_bucket.setdefault(_bucket(rows), deque(maxlen=self.window)).append((rows, seconds, tokens))
         self._fits.clear()
         self._array = None
 
@@ -173,13 +181,13 @@ class StepCostModel:
     def array(self) -> np.ndarray:
         """The steps as [n, 3] float64: rows, seconds, tokens."""
         if self._array is None:
-            self._array = np.asarray(self.steps, dtype=np.float64).reshape(-1, 3)
+            steps = [step for bucket in self.by_bucket.values() for step in bucket]
+            self._array = np.asarray(steps, dtype=np.float64).reshape(-1, 3)
         return self._array
 
     def count_at(self, size: int) -> int:
         """Steps whose rows fall in batch-size bucket `size` (a bucket's top size, as _bucket gives)."""
-        rows = self.array[:, 0]
-        return int(((rows <= size) & (rows * 2 > size)).sum())
+        return len(self.by_bucket.get(size, ()))
 
     def fit(self, rows: int | None = None) -> tuple[float, float, float]:
         """(intercept s, slope s per row, tokens per row per step); around `rows` when given: each step weighs
@@ -626,14 +634,11 @@ class Scheduler:
             return self.speculation == "always"
         size = _bucket(rows)
         steps = self.step_counts.get(size, (0, 0))[0] + 1  # counting this one
-        ratio = self.predicted_ratio(rows, greedy)
+        # None until both modes were measured at this batch size: the plan was, and a model line drawn through other
+        # sizes' steps does not overrule it (at 16 rows, T = 0, a model fitted on 1-8 rows put drafting at 0.85x AR
+        # and the server drafted the first steps of a wave of 16 equal requests, which staggered them for good)
+        ratio = self.predicted_ratio(rows, greedy) if self._measured_at(size, greedy) else None
         against_plan = self._plan_prefers_ar(size, greedy)
-        if against_plan and not self._measured_at(size, greedy):
-            # the plan was measured at this batch size; a model line drawn through other sizes' steps does not
-            # overrule it: at 16 rows, T = 0, a model fitted on 1-8 rows put drafting at 0.85x AR and the server
-            # drafted the first steps of a wave of 16 equal requests, which staggered them for good (the next wave
-            # then came in one request per step and every row attended over the longest row's columns)
-            ratio = None
         if ratio is None:
             preferred = not against_plan
         else:  # hysteresis: near a ratio of 1 the noise would flip the mode, and each flip has a cost
@@ -708,12 +713,14 @@ class Scheduler:
 
     def predicted_ratio(self, rows: int, greedy: bool = False) -> float | None:
         """The cost model's drafting / AR seconds per emitted token at `rows` rows (all greedy: `greedy`),
-        drafting the tree of their batch-size bucket; None until both modes have MIN_SAMPLES measured steps."""
-        spec = self.models.get(self._model_key(self.tree_at(_bucket(rows), greedy), greedy))
-        ar = self.models.get("ar")
-        if spec is None or ar is None or min(len(spec), len(ar)) < MIN_SAMPLES:
+        drafting the tree of their batch-size bucket; None until both modes have MIN_SAMPLES measured steps in
+        that bucket (a line through other sizes' steps alone is an extrapolation, and a flat one when they all
+        had one size)."""
+        size = _bucket(rows)
+        if not self._measured_at(size, greedy):
             return None
-        return spec.per_token(rows) / ar.per_token(rows)
+        spec = self.models[self._model_key(self.tree_at(size, greedy), greedy)]
+        return spec.per_token(rows) / self.models["ar"].per_token(rows)
 
     def cost(self, key: tuple[str, int]) -> float | None:
         """Median seconds per emitted token of (mode "spec" | "ar", batch size) over its recent steps; None before

@@ -815,6 +815,15 @@ def test_step_cost_model_fits_a_line_in_the_rows():
     falling.add(1, 0.03, 1)
     falling.add(2, 0.01, 2)
     assert falling.fit()[1] == 0.0 and falling.fit()[0] == pytest.approx(0.02)
+    # each batch-size bucket keeps its own recent steps: a long spell at 16 rows does not wash out what an 8-row
+    # step cost (one window for all sizes held only 16-row steps, and their flat line put an 8-row step at 12 ms)
+    held = StepCostModel(window=64)
+    for _ in range(3):
+        held.add(8, 0.010, 8)
+    for _ in range(500):
+        held.add(16, 0.012, 16)
+    assert held.count_at(8) == 3 and held.count_at(16) == 64 and len(held) == 67
+    assert held.per_token(8) == pytest.approx(0.010 / 8) and held.per_token(16) == pytest.approx(0.012 / 16)
 
 
 def test_adaptive_policy_decides_by_the_cost_model():
@@ -825,7 +834,14 @@ def test_adaptive_policy_decides_by_the_cost_model():
 
     import pytest
 
-    from resispec.serving.scheduler import EXPLORE_EVERY, MIN_SAMPLES, PROBE_STEPS, Scheduler, StepCostModel
+    from resispec.serving.scheduler import (
+        EXPLORE_EVERY,
+        MIN_SAMPLES,
+        PROBE_STEPS,
+        Scheduler,
+        StepCostModel,
+        _bucket,
+    )
 
     batched = SimpleNamespace(draft=object(), rows=[], shape=[3])
     engine = SimpleNamespace(batched=batched, trees_by_batch={2: None})
@@ -841,18 +857,23 @@ def test_adaptive_policy_decides_by_the_cost_model():
         sched._probing.clear()
         del sched.step_counts[2]
         # AR: 8 ms + 1 ms a row, one token a row; drafting: 9 ms + 2 ms a row, 1.5 tokens a row
-        for i, rows in enumerate((3, 5, 7, 9, 11, 13, 15)):
+        for rows in (3, 4, 3, 5, 7, 6, 9, 15, 12):  # MIN_SAMPLES steps in each of the buckets 3-4, 5-8, 9-16
             sched._measure(False, rows, rows, False, 0.008 + 0.001 * rows)
-            assert (sched.predicted_ratio(rows) is None) == (i < MIN_SAMPLES)
             sched._measure(True, rows, 1.5 * rows, False, 0.009 + 0.002 * rows)
-        for rows in (1, 4, 8, 16):  # every batch size: one line per mode, wherever it was measured
+            # the model decides at a bucket once both modes have MIN_SAMPLES steps there
+            count = sched.models["ar"].count_at(_bucket(rows))
+            assert (sched.predicted_ratio(rows) is None) == (count < MIN_SAMPLES)
+        for rows in (3, 8, 16):  # one line per mode through every bucket's steps
             assert sched.predicted_ratio(rows) == pytest.approx((9 + 2 * rows) / (1.5 * (8 + rows)))
+        # not where no step ran: a line through other sizes' steps would be an extrapolation
+        assert sched.predicted_ratio(1) is None and sched.predicted_ratio(2) is None
+        assert "1 rows" not in sched._policy_line()
         # a stall of the process (a cycle 20x its mode's cost) is left out; a step 2x dearer is a cost and stays
         spec = sched.models[((3,), False)]
         sched._measure(True, 15, 1.5 * 15, False, 20 * (0.009 + 0.002 * 15))
-        assert len(spec) == 7 and sched.stalls == 1 and "stalls left out: 1" in sched._policy_line()
+        assert len(spec) == 9 and sched.stalls == 1 and "stalls left out: 1" in sched._policy_line()
         sched._measure(True, 15, 1.5 * 15, False, 2 * (0.009 + 0.002 * 15))
-        assert len(spec) == 8 and sched.stalls == 1
+        assert len(spec) == 10 and sched.stalls == 1
         # a machine that stays 20x slower is recorded again once the median has followed it
         slow = StepCostModel()
         sched.models[((3,), False)] = slow
@@ -860,8 +881,9 @@ def test_adaptive_policy_decides_by_the_cost_model():
             sched._measure(True, 15, 1.5 * 15, False, 20 * (0.009 + 0.002 * 15))
         assert 0 < len(slow) < 12
         sched.models[((3,), False)] = spec
-        spec.steps.pop()
+        spec.by_bucket[16].pop()
         spec._fits.clear()
+        spec._array = None
         assert sched.tree_at(2) == (1,) and sched.predicted_ratio(2) is None  # planned none: probes draft [1]
         assert sched.cost_table()[16]["ratio"] == pytest.approx(sched.predicted_ratio(16))
         sched._probing.clear()
@@ -999,7 +1021,7 @@ def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
 
         sched._admit = admit_one
         sched._cycle()  # both modes pay the prefill alike: it is left out of the drafting step's cost
-        assert len(sched.models[((3,), False)]) == 2 and sched.models[((3,), False)].steps[-1][1] < 0.1
+        assert len(sched.models[((3,), False)]) == 2 and sched.models[((3,), False)].array[-1, 1] < 0.1
     finally:
         sched.close()
 
