@@ -2,7 +2,8 @@
 
 Concurrent requests decode together and each gets exactly what it would get alone; a seeded request ignores its
 neighbours; the KV budget bounds the batch (too large -> 400); a client that hangs up leaves the batch; the adaptive
-policy measures drafting and autoregressive steps; the load sweep completes every request."""
+policy measures drafting and autoregressive steps; the load sweep completes every request; a storm of mixed requests
+(chunked prefill, stop strings, seeds, hang-ups) gets what each gets alone."""
 
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def test_seeded_request_ignores_its_neighbours(serve, one_thread):
         assert crowd[3].json()["choices"][0]["text"] == alone
     # seeded_sampling=rule: the configured rule with a seeded stream (reproducible, but the tokens depend on the
     # steps that drafted); a value that is neither is refused
-    url, _ = serve(max_batch_size=8, speculation="always", seeded_sampling="rule")
+    url, _ = serve(max_batch_size=8, speculation="always")
     first, again = (_complete_all(url, [body])[0].json()["choices"][0]["text"] for _ in range(2))
     assert first == again != alone
     with pytest.raises(ValueError, match="seeded_sampling"):
@@ -285,3 +286,54 @@ def test_prefix_cache_reuses_prompts_and_says_so(serve, pair, one_thread):
             assert _metric(m, "resispec:prefix_cache_hits_total") == sum(cached)
         else:
             assert cached == [0, 0, 0] and _metric(m, "resispec:prefix_cache_hits_total") == 0
+
+
+def test_a_storm_of_mixed_requests_gets_what_each_gets_alone(serve, one_thread):
+    """Greedy and seeded requests, short prompts and prompts prefilled in parts (chunked prefill at 8 tokens),
+    with and without stop strings, each sent alone, then all at once twice over beside streams that hang up after
+    their first text: every request gets the text it got alone, and nothing is left running."""
+    import random
+
+    url, sched = serve(max_batch_size=4, speculation="auto", prefill_chunk_tokens=8, prefix_cache_tokens=0)
+    rng = random.Random(0)
+    longs = ["".join(PROMPTS[i:] + PROMPTS[:i]) * 2 for i in range(3)]  # ~150 characters: prefilled in parts
+    bodies = []
+    for i, prompt in enumerate(PROMPTS + longs):
+        body = {"model": "m", "prompt": prompt, "max_tokens": rng.choice([1, 7, 16, 25]), "ignore_eos": True}
+        body.update({"temperature": 0.0} if i % 2 else {"temperature": 0.9, "seed": i, "top_p": 0.95})
+        if i % 3 == 0:
+            body.update(stop=["\n", " ("], ignore_eos=False)
+        bodies.append(body)
+    alone = [_complete_all(url, [b])[0].json()["choices"][0] for b in bodies]
+    assert {c["finish_reason"] for c in alone} == {"stop", "length"}
+    parts = []  # prompt lengths of the prefills done in parts (while others ran)
+    prefill_part = sched._prefill_part
+    sched._prefill_part = lambda job: (parts.append(len(job.prompt_ids)), prefill_part(job))[1]
+    decoy = {"model": "m", "max_tokens": 100, "temperature": 1.0, "stream": True, "ignore_eos": True}
+
+    async def hang_up(prompt: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async with client.stream("POST", "/v1/completions", json=dict(decoy, prompt=prompt)) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                        return  # hang up after the first text
+
+    async def storm():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            jobs = [(b, client.post("/v1/completions", json=b)) for b in bodies * 2]
+            rng.shuffle(jobs)
+            order = [b for b, _ in jobs]
+            got = await asyncio.gather(*(job for _, job in jobs), *(hang_up(p) for p in longs))
+            return order, got[: len(jobs)]
+
+    order, responses = asyncio.run(storm())
+    for body, r in zip(order, responses, strict=True):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        want = alone[bodies.index(body)]
+        assert (choice["text"], choice["finish_reason"]) == (want["text"], want["finish_reason"]), body
+    assert sched.peak_running == 4 and parts and min(parts) > 8
+    deadline = time.time() + 10
+    while sched.num_running and time.time() < deadline:
+        time.sleep(0.05)
+    assert sched.num_running == 0 and sched.num_waiting == 0 and sched.batched.kv_tokens == 0
