@@ -160,7 +160,7 @@ def test_seeded_request_ignores_its_neighbours(serve, one_thread):
         assert crowd[3].json()["choices"][0]["text"] == alone
     # seeded_sampling=rule: the configured rule with a seeded stream (reproducible, but the tokens depend on the
     # steps that drafted); a value that is neither is refused
-    url, _ = serve(max_batch_size=8, speculation="always")
+    url, _ = serve(max_batch_size=8, speculation="always", seeded_sampling="rule")
     first, again = (_complete_all(url, [body])[0].json()["choices"][0]["text"] for _ in range(2))
     assert first == again != alone
     with pytest.raises(ValueError, match="seeded_sampling"):
