@@ -79,11 +79,16 @@ class LoadTestResult:
         return self.ms_per_token("ar")
 
 
+class LoadTestError(UserError, ValueError):
+    """The load test cannot run as asked: a server list that does not parse, a server that is not on this machine
+    or does not answer, a level below 1."""
+
+
 def check_local(url: str) -> None:
     """Refuse anything but the local machine."""
     host = urlparse(url).hostname
     if host not in LOCAL_HOSTS:
-        raise ValueError(
+        raise LoadTestError(
             f"the load test's server URL must point at this machine ({', '.join(LOCAL_HOSTS)}), got {host!r}"
         )
 
@@ -262,9 +267,25 @@ async def _load_test(
 def _check(url: str, prompts: list[str], bench: BenchConfig) -> None:
     check_local(url)
     if not prompts:
-        raise ValueError("the load test needs at least one prompt")
+        raise LoadTestError("the load test needs at least one prompt")
     if bench.num_requests < 1 or bench.concurrency < 1 or any(c < 1 for c in bench.concurrencies):
-        raise ValueError("bench.num_requests and the concurrency levels must be >= 1")
+        raise LoadTestError("bench.num_requests and the concurrency levels must be >= 1")
+
+
+def _check_answers(label: str, url: str, api_key: str | None) -> None:
+    """The server lists its models, before a sweep that would fail on its first request (a wrong port, a server
+    still starting, a missing API key)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise LoadTestError(f"server {label!r} at {url} does not answer: {exc}") from None
+    if r.status_code == 401:
+        raise LoadTestError(
+            f"server {label!r} at {url} refuses the API key (set RESISPEC_API_KEY or server.api_key)"
+        )
+    if r.status_code != 200:
+        raise LoadTestError(f"server {label!r} at {url}: GET /v1/models gave HTTP {r.status_code}")
 
 
 def run_load_test(
@@ -339,10 +360,6 @@ def merge_rounds(runs: list[LoadTestResult]) -> LoadTestResult:
     )
 
 
-class ServerListError(UserError, ValueError):
-    """bench.server_url / bench.server_urls do not name a usable set of servers."""
-
-
 def parse_servers(server_url: str | None, server_urls: list[str]) -> dict[str, str]:
     """bench.server_url and bench.server_urls ("LABEL=URL" or a bare URL, labelled by its host:port) -> {label:
     url}, in the order given (the first is the report's base for the ratios); empty when neither is set."""
@@ -354,13 +371,13 @@ def parse_servers(server_url: str | None, server_urls: list[str]) -> dict[str, s
             label, url = "", entry
         url = url.strip()
         if not url.startswith(("http://", "https://")):
-            raise ServerListError(f"bench.server_urls: {entry!r} is not LABEL=URL or an http(s) URL")
+            raise LoadTestError(f"bench.server_urls: {entry!r} is not LABEL=URL or an http(s) URL")
         parsed = urlparse(url)
         label = label.strip() or (
             "server" if len(entries) == 1 else f"{parsed.hostname}:{parsed.port or parsed.scheme}"
         )
         if label in servers:
-            raise ServerListError(f"bench.server_urls: the label {label!r} is given twice; label each server")
+            raise LoadTestError(f"bench.server_urls: the label {label!r} is given twice; label each server")
         servers[label] = url
     return servers
 
@@ -393,9 +410,10 @@ def run_interleaved(
     from tqdm.auto import tqdm
 
     if not servers:
-        raise ServerListError("no server to load-test")
-    for url in servers.values():
+        raise LoadTestError("no server to load-test")
+    for label, url in servers.items():
         _check(url, prompts, bench)
+        _check_answers(label, url, api_key)
     labels, rounds = list(servers), max(1, bench.rounds)
     runs: dict[tuple[str, int], list[LoadTestResult]] = {}
     total = rounds * len(bench.concurrencies) * len(labels)

@@ -7,6 +7,7 @@ import pytest
 from resispec.data import DataNotFoundError
 from resispec.errors import EXIT_USER_ERROR, UserError, exit_on_user_error
 from resispec.models import ModelNotFoundError, TokenizerMismatchError
+from resispec.serving.loadtest import LoadTestError
 from resispec.training import DistillConfigError, EmptyDatasetError
 
 
@@ -17,6 +18,7 @@ def test_user_facing_errors_share_the_base_and_keep_their_second_one() -> None:
         (DataNotFoundError, RuntimeError),
         (EmptyDatasetError, ValueError),
         (DistillConfigError, ValueError),
+        (LoadTestError, ValueError),
     ):
         assert issubclass(cls, UserError) and issubclass(cls, second), cls
 

@@ -460,7 +460,7 @@ def test_server_flag_becomes_override():
 
 
 def test_servers_are_parsed_with_labels_and_bad_lists_are_refused():
-    from resispec.serving.loadtest import ServerListError, parse_servers
+    from resispec.serving.loadtest import LoadTestError, parse_servers
 
     assert parse_servers(None, []) == {}
     assert parse_servers("http://127.0.0.1:5", []) == {"server": "http://127.0.0.1:5"}
@@ -475,12 +475,12 @@ def test_servers_are_parsed_with_labels_and_bad_lists_are_refused():
         (["a=http://127.0.0.1:1", "a=http://127.0.0.1:2"], "given twice"),
         (["http://127.0.0.1:1", "http://127.0.0.1:1"], "given twice"),
     ):
-        with pytest.raises(ServerListError, match=match):
+        with pytest.raises(LoadTestError, match=match):
             parse_servers(None, bad)
 
 
 def test_interleaved_sweep_alternates_the_servers_and_reports_their_ratios(serve_fake, tmp_path):
-    from resispec.serving.loadtest import comparison_table, run_interleaved
+    from resispec.serving.loadtest import LoadTestError, comparison_table, run_interleaved
 
     log = []
 
@@ -515,6 +515,10 @@ def test_interleaved_sweep_alternates_the_servers_and_reports_their_ratios(serve
         assert row[2].strip() == f"{speedup:.2f}x" and speedup > 1.5
         assert row[3].strip() == f"{by[('slow', level)].latency_p95 / by[('slow', 1)].latency_p50:.2f}x"
     assert json.loads((tmp_path / "sweep.json").read_text())[0]["label"] == "slow"
+    # a server that does not answer stops the sweep before it starts, in one line
+    with pytest.raises(LoadTestError, match="'gone' at http://127.0.0.1:9/ does not answer"):
+        run_interleaved({**urls, "gone": "http://127.0.0.1:9/"}, ["abc"], bench, show=False)
+    assert len(log) == 16  # no request was sent
     # one server without a lone level: nothing to compare
     assert comparison_table([by[("slow", 2)]]) == ""
     assert comparison_table([by[("slow", 1)]]).startswith("e2e p95 latency over a lone request")
