@@ -22,19 +22,20 @@ feeds its mode's model, so a decision is not taken on a handful of steps (the de
 of the two modes per batch-size bucket, and in a 32-request sweep a bucket decided on 1-3 such pairs), but the
 model decides at a batch-size bucket only once both modes have MIN_SAMPLES steps in it: until then the planner's
 plan decides there (drafting unless it planned none at that batch size), as it was measured there and a line
-through other sizes' steps is an extrapolation. To measure, the preferred mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the model is ready (from a batch size's first
-step; where the plan says not to speculate, after every EXPLORE_EVERY steps) and after every EXPLORE_EVERY steps at
-that batch size once it is (4x less often while the ratio is beyond CLEAR_MARGIN, or while the model and the plan
-agree that speculation does not pay: at 16 rows on the tiny world the probes were most of the 7-8% of steps that
-drafted). Where the plan says not to speculate, no drafting probe starts while the batch is in lockstep (equal
-requests admitted together; `in_lockstep`): its rows would accept different numbers of tokens and stay staggered.
-A drafting step right after steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per
-batch-size bucket the measured medians per mode, the model's ratio at the bucket's size and the share of steps that
-drafted; an INFO line every LOG_EVERY steps says the same. Under decode.tree=auto the plan has two halves: a batch of greedy rows drafts the tree planned at
-temperature 0 (`greedy_trees_by_batch`), any other batch the tree planned at the sampled temperature. A seeded
-request's tokens never depend on its neighbours, the load or the mode: its row samples with a SeedStream (noise keyed
-by token position, verified with the `gumbel` rule), which emits the same token at every position whether the row
-drafted or not, so the policy treats it as any other row.
+through other sizes' steps is an extrapolation. To measure, the preferred mode is left for PROBE_STEPS steps, every
+WARMUP_EVERY-th step until the model is ready (from a batch size's first step; where the plan says not to speculate,
+after every EXPLORE_EVERY steps) and after every EXPLORE_EVERY steps at that batch size once it is (4x less often
+while the ratio is beyond CLEAR_MARGIN, or while the model and the plan agree that speculation does not pay: at 16
+rows on the tiny world the probes were most of the 7-8% of steps that drafted). Where the plan says not to
+speculate, no drafting probe starts while the batch is in lockstep (equal requests admitted together;
+`in_lockstep`): its rows would accept different numbers of tokens and stay staggered. A drafting step right after
+steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per batch-size bucket the
+measured medians per mode, the model's ratio at the bucket's size and the share of steps that drafted; an INFO line
+every LOG_EVERY steps says the same. Under decode.tree=auto the plan has two halves: a batch of greedy rows drafts
+the tree planned at temperature 0 (`greedy_trees_by_batch`), any other batch the tree planned at the sampled
+temperature. A seeded request's tokens never depend on its neighbours, the load or the mode: its row samples with a
+SeedStream (noise keyed by token position, verified with the `gumbel` rule), which emits the same token at every
+position whether the row drafted or not, so the policy treats it as any other row.
 
 Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a request is admitted only while
 (running + 1) x the longest worst-case row fits (prompt + max_tokens; on the speculative batch with room for the
@@ -43,11 +44,11 @@ is refused (RequestTooLargeError -> 400). Newcomers are prefilled together betwe
 (`add_many`) over at most `max_prefill_tokens` prompt tokens (at least one request); while others run, one such
 block per step boundary, so running streams stall for at most one prefill forward. (One newcomer per boundary, as
 before, staggered the rows: a wave of 16 clients whose requests reach the server over a few steps joined over 14
-steps, and a right-aligned cache makes every row attend over the longest row's columns.) A newcomer whose prompt
-is longer than `prefill_chunk_tokens` (0 = never) is prefilled in parts while others run (chunked prefill, as
-vLLM's): one part of at most that many tokens per step boundary (`prefill_part`, into caches of its own, outside
-the batch), and it joins with the last part. A long prompt then delays each running stream's next token by one
-part's forward, not by its whole prefill. When nothing runs, it is prefilled in one go.
+steps, and a right-aligned cache makes every row attend over the longest row's columns.) A newcomer whose prompt is
+longer than `prefill_chunk_tokens` (0 = never) is prefilled in parts while others run (chunked prefill, as vLLM's):
+one part of at most that many tokens per step boundary (`prefill_part`, into caches of its own, outside the batch),
+and it joins with the last part. A long prompt then delays each running stream's next token by one part's forward,
+not by its whole prefill. When nothing runs, it is prefilled in one go.
 """
 
 from __future__ import annotations
@@ -83,11 +84,10 @@ COST_WINDOW = 32  # recent per-token costs per (mode, batch-size bucket), for co
 # recent pure steps per mode and batch-size bucket that the cost model fits: kept per bucket, so that a load which
 # stays at one batch size for a while does not wash out what the mode cost at the others (one window for all sizes
 # held only 16-row AR steps after a minute at 16 clients: a flat line through them put an 8-row AR step at a 16-row
-# step's cost, twice the truth, and the server drafted at 8 rows at 0.91x batched AR's tokens/s)
+# step's cost, 1.2-1.5x the truth, and the policy saw drafting at half AR's cost per token at 8 rows)
 MODEL_WINDOW = 64
-MIN_SAMPLES = (
-    3  # pure steps of each mode at a batch-size bucket before the model decides there instead of the plan
-)
+# pure steps of each mode at a batch-size bucket before the model decides there instead of the plan
+MIN_SAMPLES = 3
 # a cycle this many times its mode's median cost per token at that batch size is a stall of the process, not a cost
 # of the mode: one drafting cycle of 333-382 ms among 15-25 ms ones (the second request's first step, in most
 # start-ups of `python serve/server.py`; a pause of the whole interpreter), counted into the mean, put drafting at
