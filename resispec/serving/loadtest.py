@@ -400,13 +400,14 @@ def run_interleaved(
     output_dir: str | Path | None = None,
     show: bool = True,
     title: str = "",
+    progress: bool | None = None,
 ) -> list[LoadTestResult]:
     """Load-test several servers ({label: url}, localhost only) in one run: for each of bench.rounds rounds and each
     level of bench.concurrencies, every server in turn, the order reversed every other round (ABBA), so a machine
     whose speed drifts within minutes weighs on every server alike. Each (server, level) is merged over its rounds
     (merge_rounds). The report (output_dir: sweep.md / .json / .png) adds each server's throughput relative to the
     first one and its p95 latency relative to its own lone request (comparison_table). model: the model name sent
-    to every server; None asks each server's /v1/models."""
+    to every server; None asks each server's /v1/models. progress: a bar over the tests (default: as `show`)."""
     from tqdm.auto import tqdm
 
     if not servers:
@@ -417,7 +418,8 @@ def run_interleaved(
     labels, rounds = list(servers), max(1, bench.rounds)
     runs: dict[tuple[str, int], list[LoadTestResult]] = {}
     total = rounds * len(bench.concurrencies) * len(labels)
-    with tqdm(total=total, desc="load sweep", unit="test", disable=not show or total == 1) as bar:
+    bar_on = show if progress is None else progress
+    with tqdm(total=total, desc="load sweep", unit="test", disable=not bar_on or total == 1) as bar:
         for r in range(rounds):
             for level in bench.concurrencies:
                 for label in labels if r % 2 == 0 else labels[::-1]:
@@ -640,7 +642,7 @@ def compare_in_process(
             app = create_app(engine, tokenizer, server, dec, max_model_len=max_model_len)
             servers[label] = (*serve_in_thread(app), app)
         urls = {label: s[0] for label, s in servers.items()}
-        results = run_interleaved(urls, prompts, bench, show=False)
+        results = run_interleaved(urls, prompts, bench, show=False, progress=show)
         costs = {label: s[3].state.server.worker.scheduler.cost_table() for label, s in servers.items()}
     finally:
         for _, uv, _, _ in servers.values():
