@@ -390,6 +390,13 @@ class BatchedDecoder:
         """(kind, forward, model, prefix cache) of each model a joining row is prefilled with."""
         return [("target", self._target_fwd, self.target, self.prefix)]
 
+    def _prefill_rows(self, rows: list[BatchRow]) -> dict[str, list]:
+        """kind -> each row's batch-1 cache of its prompt (_prefill), for every model of _prefill_models."""
+        return {
+            kind: _prefill(fwd, model, rows, kind, prefix)
+            for kind, fwd, model, prefix in self._prefill_models()
+        }
+
     def _new_row(
         self,
         prompt_ids,
@@ -435,7 +442,7 @@ class BatchedDecoder:
 
     def _join(self, rows: list[BatchRow]) -> None:
         """Prefill the new rows together and merge them into the batch cache."""
-        caches = _prefill(self._target_fwd, self.target, rows, "target", self.prefix)
+        caches = self._prefill_rows(rows)["target"]
         for row, row_cache in zip(rows, caches, strict=True):
             merge_cache_row(self.cache, len(self.rows), row_cache)
             self.num_cols = max(self.num_cols, row.length)
@@ -664,6 +671,7 @@ class BatchedSpeculativeDecoder:
     add = BatchedDecoder.add
     add_many = BatchedDecoder.add_many
     prefill_part = BatchedDecoder.prefill_part
+    _prefill_rows = BatchedDecoder._prefill_rows
     _new_row = BatchedDecoder._new_row
     generate = BatchedDecoder.generate
 
@@ -680,12 +688,8 @@ class BatchedSpeculativeDecoder:
         draft forward over ~1000 positions in the step of each newcomer). Without `prefill_draft` (a batch that
         never drafts) the prompt waits in the row's `pending`, the tokens the draft has not seen, and a drafting
         step takes them all."""
-        tcaches = _prefill(self._target_fwd, self.target, rows, "target", self.prefix)
-        dcaches = (
-            _prefill(self._d_fwd, self.draft, rows, "draft", self.draft_prefix)
-            if self.prefill_draft
-            else None
-        )
+        caches = self._prefill_rows(rows)
+        tcaches, dcaches = caches["target"], caches.get("draft")
         for b, row in enumerate(rows):
             self.tcache.add_row(tcaches[b], row.length)
             if dcaches is None:
