@@ -12,6 +12,11 @@ tree node too). Speedup = tau / step time, over the AR cost of one target token.
 the others: where chains pay more, the planner returns a chain. alpha is measured per number of draws at held-out
 positions of the target's own continuations (closed form where the rule has one, else Monte Carlo through the
 rule's propose/verify).
+
+At batch 1 the cost model settles only the clear cases: the plans predicted within a few percent of the best are
+then timed on real decode steps, and the best by predicted tau over measured step wins (settle_by_steps). Adding
+up parts (forward tables interpolated between grid counts, host overhead from two trees) is within ~10% for each
+tree, but the top candidates are often predicted within 1-2% of each other while their steps differ by 5-10%.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -33,12 +38,19 @@ from resispec.sampling import is_greedy, probs
 from resispec.verify import VERIFIERS, covers
 from resispec.verify.estimate import monte_carlo_alpha
 
-NODE_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 32)
+# every count up to 10: the small trees the planner weighs against each other are 5-9 tokens ([1,1,1,1] 5, [2,1,1]
+# and [3,1] 7, [2,1,1,1] 9), and a CPU's cost is not linear there: on the tiny world 6 tokens cost 5.9 ms and 7
+# cost 6.3-6.6 (the GEMM's row blocking), so 7 interpolated between 6 and 8 was 0.2-0.4 ms short, enough to rank
+# [2,1,1] above the chains it measured 4-11% behind
+NODE_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 20, 24, 28, 32)
 BATCH_NODE_GRID = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row timed at batch sizes > 1
 # the tree whose steps measure the host overhead, with the one-node chain for the part per node; at 4 rows
 # of the tiny world its 10 nodes a row cost ~24 ms a step beyond the forwards and a one-node chain's ~5 ms: charged
 # to every candidate, that one figure planned "no speculation" at every batch size > 1
 OVERHEAD_TREE = (2, 2, 1)
+# batch 1: the plans predicted within SETTLE_BAND of the best (at most SETTLE_MOST) are timed on real decode steps,
+# SETTLE_ROUNDS short decodes each, and the best by tau over measured step wins (settle_by_steps)
+SETTLE_BAND, SETTLE_MOST, SETTLE_ROUNDS = 0.05, 4, 3
 
 
 @dataclass
@@ -125,10 +137,13 @@ class Plan:
     alpha: dict[int, float] = field(
         default_factory=dict
     )  # the calibrated per-node acceptance it was planned with
+    # step_ms timed on decode steps (settle_by_steps), not added up by the cost model
+    step_measured: bool = False
 
     def describe(self) -> str:
+        step = "measured" if self.step_measured else "predicted"
         return (
-            f"tree={self.tree} predicted tau {self.tau:.2f}, step {self.step_ms:.1f} ms, "
+            f"tree={self.tree} predicted tau {self.tau:.2f}, step {self.step_ms:.1f} ms ({step}), "
             f"{self.tokens_per_s:.0f} tok/s, speedup {self.speedup:.2f}x over AR"
         )
 
@@ -260,9 +275,26 @@ def measure_overhead(
     alpha: dict[int, float] | None = None,
 ) -> float:
     """Host ms per speculative step beyond the forwards (and, given alpha, the verification) that the cost model
-    predicts: one short decode of `prompt`, timed from its second step (the first carries the prompt's prefill on
-    both models, which is not a step's cost: counted in, it made every plan ~10% pessimistic on the tiny world),
-    at the speed the cost model's tables were measured at (`_drift`)."""
+    predicts, from measure_step_ms."""
+    step_ms = measure_step_ms(target, draft, rule, prompt, sampling, cost, tree, max_new_tokens)
+    return _beyond_prediction(step_ms, cost, tree, alpha)
+
+
+def measure_step_ms(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    rule,
+    prompt: Sequence[int],
+    sampling: dict,
+    cost: CostModel,
+    tree: Sequence[int],
+    max_new_tokens: int = 32,
+    warmup: bool = True,
+) -> float:
+    """Ms per speculative step of tree `tree` on this device: one short decode of `prompt` (after a shorter
+    untimed one, `warmup`), timed from its second step (the first carries the prompt's prefill on both models,
+    which is not a step's cost: counted in, it made every plan ~10% pessimistic on the tiny world), at the speed
+    the cost model's tables were measured at (`_drift`)."""
     from resispec.decoding.engine import SpeculativeDecoder
     from resispec.verify import build_rule
 
@@ -271,7 +303,8 @@ def measure_overhead(
     )
     ids = torch.tensor([list(prompt)], device=next(target.parameters()).device)
     kwargs = {**sampling, "max_new_tokens": max_new_tokens, "generator": torch.Generator().manual_seed(0)}
-    dec.generate(ids, **{**kwargs, "max_new_tokens": 8})  # warm-up
+    if warmup:
+        dec.generate(ids, **{**kwargs, "max_new_tokens": 8})
     stream = dec.generate_stream(ids, **kwargs)
     stats = dec.last_stats
     next(stream)  # the prefill and the first step
@@ -283,8 +316,7 @@ def measure_overhead(
             break
         seconds += time.perf_counter() - t0
         references.append(probe.seconds(1))
-    step_ms = 1e3 * seconds / max(stats.num_drafts - first, 1)
-    return _beyond_prediction(step_ms * _drift(cost, references), cost, tree, alpha)
+    return 1e3 * seconds / max(stats.num_drafts - first, 1) * _drift(cost, references)
 
 
 def _drift(cost: CostModel, references: Sequence[float]) -> float:
@@ -370,7 +402,7 @@ def calibrate_alpha(
     target: torch.nn.Module,
     draft: torch.nn.Module,
     sequences: Sequence[Sequence[int]],
-    rule: str,
+    rule,
     settings: dict,
     start: int,
     max_draws: int = 4,
@@ -378,20 +410,18 @@ def calibrate_alpha(
     seed: int = 0,
     logits: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[int, float]:
-    """Mean per-node acceptance alpha(n), n = 1..max_draws, of `rule` under `settings` (temperature/top-k/top-p)
+    """Mean per-node acceptance alpha(n), n = 1..max_draws, of `rule` (a VERIFIERS key, or the rule object the
+    decoder will run: resispec_auto with a policy) under `settings` (temperature/top-k/top-p)
     at the positions >= `start` of each sequence (prompt + the target's own continuation). Temperature 0: the
     greedy rule's acceptance, P(argmax p among the top-n of q). `logits`: those nodes' (target, draft) logits when
     the caller already has them (node_logits of the same sequences and start)."""
     t_logits, d_logits = logits if logits is not None else node_logits(target, draft, sequences, start)
     out = {}
     if is_greedy(settings.get("temperature", 1.0)):
-        best = t_logits.argmax(-1, keepdim=True)  # [N, 1]
-        order = d_logits.argsort(-1, descending=True)
-        for n in range(1, max_draws + 1):
-            out[n] = float((order[:, :n] == best).any(-1).double().mean())
-        return out
+        hits = greedy_hits(t_logits, d_logits, max_draws).double().mean(-1)
+        return {n: float(hits[min(n, len(hits)) - 1]) for n in range(1, max_draws + 1)}
     p, q = probs(t_logits, **settings), probs(d_logits, **settings)
-    rule_obj = VERIFIERS[rule]
+    rule_obj = VERIFIERS[rule] if isinstance(rule, str) else rule
     gen = torch.Generator(device=p.device).manual_seed(seed)
     for n in range(1, max_draws + 1):
         if covers(rule_obj.closed_form_draws, n):
@@ -410,6 +440,14 @@ def expected_tau(tree: Sequence[int], alpha: dict[int, float]) -> float:
     return tau
 
 
+def greedy_hits(t_logits: torch.Tensor, d_logits: torch.Tensor, max_draws: int) -> torch.Tensor:
+    """[max_draws, N] bool: at each node, the target's argmax among the draft's top n, row n - 1 (n = 1..max_draws).
+    Its row means are greedy alpha(n)."""
+    best = t_logits.argmax(-1, keepdim=True)  # [N, 1]
+    top = d_logits.topk(min(max_draws, d_logits.shape[-1]), dim=-1).indices  # [N, n]
+    return (top == best).cumsum(-1).bool().T
+
+
 def candidate_trees(max_nodes: int = 32, max_depth: int = 6, max_branch: int = 4) -> list[list[int]]:
     """Per-depth branchings, non-increasing with depth, at most `max_nodes` nodes (chains included)."""
     out = []
@@ -420,22 +458,63 @@ def candidate_trees(max_nodes: int = 32, max_depth: int = 6, max_branch: int = 4
     return out
 
 
-def plan_tree(
+def rank_trees(
     cost: CostModel, alpha: dict[int, float], candidates: Sequence[Sequence[int]] | None = None
-) -> Plan:
-    """The candidate tree with the highest predicted tokens per second (module docstring)."""
+) -> list[Plan]:
+    """Every candidate tree's plan, the highest predicted tokens per second first (module docstring); ties keep
+    the candidates' order (shallower and narrower first)."""
     ar_tps = 1e3 / cost.target(1)
-    best: Plan | None = None
+    plans = []
     usable = [t for t in (candidates or candidate_trees(max_branch=max(alpha))) if all(b in alpha for b in t)]
     for tree in usable:
         tau = expected_tau(tree, alpha)
         ms = cost.step_ms(tree) + cost.verify_cost(tree, alpha)
         tps = 1e3 * tau / ms
-        plan = Plan(list(tree), tau, ms, tps, tps / ar_tps, dict(alpha))
-        if best is None or plan.tokens_per_s > best.tokens_per_s:
-            best = plan
-    assert best is not None and math.isfinite(best.tokens_per_s)
-    return best
+        plans.append(Plan(list(tree), tau, ms, tps, tps / ar_tps, dict(alpha)))
+    plans.sort(key=lambda plan: -plan.tokens_per_s)
+    assert plans and math.isfinite(plans[0].tokens_per_s)
+    return plans
+
+
+def plan_tree(
+    cost: CostModel, alpha: dict[int, float], candidates: Sequence[Sequence[int]] | None = None
+) -> Plan:
+    """The candidate tree with the highest predicted tokens per second (module docstring; rank_trees)."""
+    return rank_trees(cost, alpha, candidates)[0]
+
+
+def settle_by_steps(
+    ranked: Sequence[Plan],
+    time_step,
+    ar_ms: float,
+    band: float = SETTLE_BAND,
+    most: int = SETTLE_MOST,
+    rounds: int = SETTLE_ROUNDS,
+) -> Plan:
+    """The best of the plans predicted within `band` of the first (at most `most` of them), by tau over MEASURED
+    step time: `time_step(tree, round)` -> ms of one of its steps, each plan timed once a round, the order reversed
+    every other round (ABBA), the median kept. The cost model adds up parts (forward tables interpolated between
+    grid counts, host overhead from two trees), and the candidates at the top are often within 1-2% of each other
+    while their real steps differ by 5-10%: on the tiny world at T = 1, [2,1,1] was predicted 1% ahead of the
+    chains and measured 4-11% behind them. Tau stays predicted: over a few short decodes the measured acceptance
+    is far noisier than the calibration's. The plan returned carries its measured step (`step_measured`)."""
+    top = ranked[0].tokens_per_s
+    near = [p for p in ranked if p.tokens_per_s >= (1.0 - band) * top][:most]
+    if len(near) < 2:
+        return ranked[0]
+    times: list[list[float]] = [[] for _ in near]
+    for rnd in range(rounds):
+        order = range(len(near)) if rnd % 2 == 0 else reversed(range(len(near)))
+        for i in order:
+            times[i].append(time_step(near[i].tree, rnd))
+    settled = []
+    for plan, ms in zip(near, times, strict=True):
+        step = statistics.median(ms)
+        tps = 1e3 * plan.tau / step
+        settled.append(
+            replace(plan, step_ms=step, tokens_per_s=tps, speedup=tps * ar_ms / 1e3, step_measured=True)
+        )
+    return max(settled, key=lambda plan: plan.tokens_per_s)
 
 
 def _verify_probe(
@@ -596,12 +675,12 @@ class Planner:
             (seq, len(p), node_logits(self.target, draft, [seq], len(p)))
             for seq, p in zip(self._sequences(settings), self.prompts, strict=True)
         ]
+        rule_obj = build_rule(rule, auto_policy)  # the rule the decoder runs (resispec_auto: with its policy)
         alphas = [
-            calibrate_alpha(self.target, draft, [seq], rule, settings, start=start, logits=logits)
+            calibrate_alpha(self.target, draft, [seq], rule_obj, settings, start=start, logits=logits)
             for seq, start, logits in node_sets
         ]
         alpha = {n: sum(a[n] for a in alphas) / len(alphas) for n in alphas[0]}
-        rule_obj = build_rule(rule, auto_policy)
         if not is_greedy(settings.get("temperature", 1.0)):
             vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
             device = next(draft.parameters()).device
@@ -633,4 +712,13 @@ class Planner:
             at_b.overhead_per_node_ms = max(wide - small, 0.0) / (max_tree_nodes(list(OVERHEAD_TREE)) - 1)
             at_b.overhead_ms = max(small - at_b.overhead_per_node_ms, 0.0)
             plans[b] = plan_tree(at_b, alpha)
+            if b == 1:  # the near-ties timed on real steps (the batched decoder's are left to the model)
+
+                def time_step(tree, rnd, cost=at_b):
+                    prompt = self.prompts[rnd % len(self.prompts)]
+                    return measure_step_ms(
+                        self.target, draft, rule_obj, prompt, settings, cost, tree, warmup=rnd == 0
+                    )
+
+                plans[b] = settle_by_steps(rank_trees(at_b, alpha), time_step, at_b.target(1))
         return plans

@@ -17,16 +17,20 @@ from resispec.decoding.planner import (
     NODE_GRID,
     CostModel,
     ForwardProbe,
+    Plan,
     Planner,
     calibrate_alpha,
     candidate_trees,
     expected_tau,
+    greedy_hits,
     measure_batch_overhead,
     measure_verify_ms,
     measure_verify_row_ms,
     monotone,
     node_logits,
     plan_tree,
+    rank_trees,
+    settle_by_steps,
 )
 from resispec.decoding.tree import max_tree_nodes
 from resispec.errors import UserError
@@ -156,6 +160,127 @@ def test_plan_never_beats_the_best_candidate_by_enumeration():
         for t in candidate_trees(max_branch=4)
     )
     assert plan.tokens_per_s == pytest.approx(best)
+
+
+def test_greedy_hits_by_hand():
+    # 3 nodes, vocab 4: the target's argmax is 0 at every node; the draft ranks it 1st, 2nd, 1st
+    t_logits = torch.tensor([[5.0, 0, 0, 0]] * 3)
+    d_logits = torch.tensor([[4.0, 3, 2, 1], [3.0, 4, 2, 1], [4.0, 3, 2, 1]])
+    assert greedy_hits(t_logits, d_logits, 2).tolist() == [[True, False, True], [True, True, True]]
+
+
+def test_greedy_alpha_is_the_hit_rate():
+    gen = torch.Generator().manual_seed(0)
+    t_logits, d_logits = torch.randn(50, 16, generator=gen), torch.randn(50, 16, generator=gen)
+    alpha = calibrate_alpha(None, None, [], "chain", {"temperature": 0.0}, 0, logits=(t_logits, d_logits))
+    best = t_logits.argmax(-1, keepdim=True)
+    for n in range(1, 5):
+        top = d_logits.argsort(-1, descending=True)[:, :n]
+        assert alpha[n] == pytest.approx(float((top == best).any(-1).double().mean()))
+
+
+def test_rank_trees_orders_every_candidate_and_plan_tree_is_its_first():
+    cost = _costs(0.4, verify_ms={1: 0.3, 2: 0.9, 3: 1.2, 4: 1.6})
+    ranked = rank_trees(cost, ALPHA)
+    assert len(ranked) == len(candidate_trees(max_branch=4))
+    assert [p.tokens_per_s for p in ranked] == sorted((p.tokens_per_s for p in ranked), reverse=True)
+    assert ranked[0] == plan_tree(cost, ALPHA) and not ranked[0].step_measured
+
+
+def _plan(tree, tps, tau=2.0):
+    return Plan(list(tree), tau, 1e3 * tau / tps, tps, tps / 100.0, dict(ALPHA))
+
+
+def test_settle_times_the_near_ties_and_keeps_the_fastest_measured():
+    """The plans predicted within the band are timed on steps (ABBA over the rounds, median kept); the one with the
+    best tau over measured step wins, here the third-ranked chain, whose steps are the cheapest. A plan outside the
+    band is never timed; the winner carries its measured step and the speedup that follows from it."""
+    ranked = [_plan([2, 1, 1], 300, 2.7), _plan([1, 1, 1, 1], 295, 2.5), _plan([1, 1, 1], 290, 2.3)]
+    ranked.append(_plan([4, 2, 1, 1], 200, 3.0))
+    measured = {(2, 1, 1): [11.0, 9.0, 12.0], (1, 1, 1, 1): [9.0, 9.5, 30.0], (1, 1, 1): [9.0, 9.0, 9.0]}
+    calls = []
+
+    def time_step(tree, rnd):
+        calls.append((tuple(tree), rnd))
+        return measured[tuple(tree)][rnd]
+
+    best = settle_by_steps(ranked, time_step, ar_ms=10.0, band=0.05, most=4, rounds=3)
+    first = [(2, 1, 1), (1, 1, 1, 1), (1, 1, 1)]
+    assert [t for t, _ in calls] == first + first[::-1] + first  # ABBA
+    assert [r for _, r in calls] == [0] * 3 + [1] * 3 + [2] * 3
+    # medians: 11.0, 9.5, 9.0 ms -> tau / step: 245, 263, 256 tok/s
+    assert best.tree == [1, 1, 1, 1] and best.step_measured
+    assert best.step_ms == pytest.approx(9.5) and best.tokens_per_s == pytest.approx(1e3 * 2.5 / 9.5)
+    assert best.speedup == pytest.approx(best.tokens_per_s * 10.0 / 1e3) and best.tau == 2.5
+
+
+def test_settle_leaves_a_clear_winner_and_caps_the_timed_plans():
+    ranked = [_plan([4, 2], 300), _plan([3, 2], 250), _plan([2, 2], 240)]
+    never = settle_by_steps(ranked, lambda tree, rnd: pytest.fail("timed a clear winner"), ar_ms=10.0)
+    assert never is ranked[0] and not never.step_measured
+    timed = []
+    many = [_plan([1] * d, 300 - d) for d in range(1, 7)]
+    settle_by_steps(many, lambda tree, rnd: timed.append(len(tree)) or 10.0, ar_ms=10.0, most=3, rounds=1)
+    assert timed == [1, 2, 3]
+
+
+def test_batch_one_plan_is_settled_on_measured_steps(micro_pair, monkeypatch):
+    """Planner.choose times the near-ties on real decode steps (measure_step_ms, the first round with its warm-up):
+    with every candidate's step made to cost the same except the one-token chain's, which is 10x cheaper, the plan is
+    that chain, marked as measured."""
+    from resispec.decoding import planner as planner_mod
+
+    seen = []
+
+    def fake_step(target, draft, rule, prompt, sampling, cost, tree, max_new_tokens=32, warmup=True):
+        seen.append((tuple(tree), warmup))
+        return 1.0 if list(tree) == [1] else 10.0
+
+    monkeypatch.setattr(planner_mod, "measure_step_ms", fake_step)
+    monkeypatch.setattr(
+        planner_mod, "SETTLE_BAND", 1.0
+    )  # every candidate is a near-tie (at most SETTLE_MOST)
+    monkeypatch.setattr(
+        planner_mod,
+        "settle_by_steps",
+        lambda ranked, time_step, ar_ms: settle_by_steps(
+            ranked, time_step, ar_ms, band=1.0, most=len(ranked)
+        ),
+    )
+    target, draft = micro_pair
+    with single_thread():
+        planner = Planner(target, [[1, 2, 3, 4, 5, 6]], continuation_tokens=8)
+        plan = planner.choose(draft, "chain", {"temperature": 0.0})
+    assert plan.tree == [1] and plan.step_measured and plan.step_ms == pytest.approx(1.0)
+    overhead, settled = seen[:2], seen[2:]  # measure_overhead's two trees come first
+    assert [t for t, _ in overhead] == [(1,), planner_mod.OVERHEAD_TREE]
+    timed = len(settled) // 3
+    assert timed >= 2 and len(settled) == 3 * timed
+    assert [w for _, w in settled] == [True] * timed + [False] * 2 * timed  # warm-up in the first round only
+
+
+def test_planner_calibrates_the_rule_it_decodes_with(micro_pair, monkeypatch):
+    """The calibration scores the rule the decoder runs: resispec_auto built with the given policy, not the
+    registry's default one."""
+    from resispec.decoding import planner as planner_mod
+    from resispec.verify import VERIFIERS
+
+    rules = []
+    real = planner_mod.calibrate_alpha
+
+    def spy(t, d, seqs, rule, *a, **kw):
+        rules.append(rule)
+        return real(t, d, seqs, rule, *a, **kw)
+
+    monkeypatch.setattr(planner_mod, "calibrate_alpha", spy)
+    target, draft = micro_pair
+    with single_thread():
+        planner = Planner(target, [[1, 2, 3, 4, 5, 6]], continuation_tokens=8)
+        planner.choose(draft, "resispec", {"temperature": 1.0})
+        plan = planner.choose(draft, "resispec_auto", {"temperature": 1.0}, auto_policy={"threshold": 0.9})
+    assert rules[0] is VERIFIERS["resispec"]
+    assert rules[1] is not VERIFIERS["resispec_auto"] and rules[1].policy.threshold == 0.9
+    assert plan.tau == pytest.approx(expected_tau(plan.tree, plan.alpha))
 
 
 # ------------------------------------------------------------------------------------------ measured on micro models
@@ -313,7 +438,9 @@ def test_batch_overhead_is_split_into_per_step_and_per_node(micro_pair, monkeypa
     planned = []
     monkeypatch.setattr(planner_mod, "measure_batch_overhead", fake)
     monkeypatch.setattr(
-        planner_mod, "plan_tree", lambda cost, alpha: planned.append(cost) or plan_tree(cost, alpha)
+        planner_mod,
+        "plan_tree",
+        lambda cost, alpha, **kw: planned.append(cost) or plan_tree(cost, alpha, **kw),
     )
     target, draft = micro_pair
     with single_thread():
