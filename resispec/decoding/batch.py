@@ -607,6 +607,20 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+@dataclass
+class _DraftedStep:
+    """One speculative step's trees, per row, and what their walks need of the drafting."""
+
+    trees: list  # [DraftTree]
+    rules: list  # the rule each row's walk runs (GREEDY_TOPK for greedy rows)
+    greedy: list[bool]  # greedy rows: top-n children, walk_greedy
+    chain: list[bool]  # rows whose draws and walk are batched (walk_one_draw_chains)
+    chain_q: list[list[torch.Tensor]]  # those rows' q [1, V] per depth
+    proposals: list[list]  # the other sampled rows' proposals, per depth
+    fed: list[int]  # deepest tree level each row's draft has processed
+    node_col: list[dict[int, int]]  # tree node -> draft cache column, this step
+
+
 class BatchedSpeculativeDecoder:
     """Batched exact speculative decoding: per-row draft trees, one draft forward per depth and ONE target forward
     per step for all rows, per-row acceptance with the rule (greedy rows: GreedyTopK), per-row bookkeeping.
@@ -746,147 +760,159 @@ class BatchedSpeculativeDecoder:
         step. When no row drafts, the step is BatchedDecoder's (`_ar_step`: no draft forward, trees or walks) and
         the tokens the draft has not seen pile up in each row's `pending`, fed with the next drafting step. So the
         caller can switch speculation off and on, or change the tree, between steps (by load) without leaving
-        exactness: every step is an exact step of its own tree."""
-        from resispec.decoding.engine import GREEDY_TOPK
-        from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
+        exactness: every step is an exact step of its own tree.
+
+        The phases: _draft (one draft forward per depth, every row's tree), _verify (ONE target forward over
+        every row's tree), _walk_chains (the one-draw chains' walks in batched ops), _accept (every other row's
+        walk, then both caches compacted)."""
+        from resispec.decoding.tree import parse_tree
 
         rows = self.rows
         if not rows:
             return []
         t0 = time.perf_counter()
-        dev, nb = self.device, len(rows)
-        greedy_tk = [r.greedy and self.greedy_topk for r in rows]
-        rules = [
-            GREEDY_TOPK if g else row_rule(self.rule, r.generator)
-            for r, g in zip(rows, greedy_tk, strict=True)
-        ]
-        q_set = [
-            dict(temperature=1.0, top_k=0, top_p=1.0) if g else r.settings
-            for r, g in zip(rows, greedy_tk, strict=True)
-        ]
-        flags = [draft] * nb if isinstance(draft, bool) or _is_tree(draft) else list(draft)
+        flags = [draft] * len(rows) if isinstance(draft, bool) or _is_tree(draft) else list(draft)
         shapes = [self.shape if f is True else parse_tree(list(f)) if f else [] for f in flags]
         lims = [
             min(len(sh), r.max_new_tokens - len(r.generated) - 1) for r, sh in zip(rows, shapes, strict=True)
         ]
-        draft = any(lims)  # whether the draft runs this step (it then takes every row's pending tokens)
-        if not draft:
+        if not any(
+            lims
+        ):  # the draft does not run this step (when it does, it takes every row's pending tokens)
             return self._ar_step(rows, flags, t0)
-        trees = [DraftTree(r.root, max_tree_nodes(sh)) for r, sh in zip(rows, shapes, strict=True)]
-        # rows whose draws and walk are batched (walk_one_draw_chains): sampled and unseeded, drafting a chain of
-        # one-draw nodes with a rule whose one-draw step is standard speculative sampling, or not drafting
-        chain = [
-            not g
-            and not isinstance(r.generator, SeedStream)
-            and (lim == 0 or (getattr(rule, "one_draw_is_standard", False) and set(sh[:lim]) == {1}))
-            for r, g, rule, sh, lim in zip(rows, greedy_tk, rules, shapes, lims, strict=True)
-        ]
-        chain_q: list[list[torch.Tensor]] = [[] for _ in rows]  # those rows' q [1, V] per depth
-        proposals: list[list] = [[] for _ in rows]
-        fed = [0] * nb  # deepest tree level each row's draft has processed
-        node_col: list[dict[int, int]] = [{} for _ in rows]  # tree node -> draft cache column, this step
-
-        if draft:
-            # ---- draft, depth 0: every row's pending committed tokens, LEFT-padded so that every row's last one
-            # is the block's last column and only that column goes through the LM head (a newcomer's prompt
-            # pads every other row to its length: full logits there cost more than the draft's layers)
-            ids, pos, new_valid, block = _left_padded(
-                [r.pending for r in rows], [r.length + 1 - len(r.pending) for r in rows], dev
-            )
-            width = ids.shape[1]
-            allowed = self.dcache.allowed(width)
-            t_old = self.dcache.num_cols
-            allowed[:, :, t_old:] = block
-            logits = forward_logits(
-                self._d_fwd,
-                ids,
-                self.dcache.cache,
-                pos,
-                _additive(allowed, self._d_dtype),
-                logits_to_keep=1,
-            )
-            self.dcache.append(new_valid)
-            q_all = probs_by_settings(logits[:, -1, : self.vocab_size], q_set)  # [B, V]
-            qs = [q_all[b : b + 1] for b in range(nb)]
-            growing = [lim > 0 for lim in lims]
-            for depth in range(1, max(lims) + 1):
-                # the chain rows' draws at this depth at once, each row's uniform from its own generator
-                draw = [b for b in range(nb) if chain[b] and growing[b] and depth <= lims[b]]
-                drawn = {}
-                if draw:
-                    q_draw = torch.cat([qs[b] for b in draw])
-                    tokens = sample_each(q_draw, [rows[b].generator for b in draw]).tolist()
-                    drawn = dict(zip(draw, tokens, strict=True))
-                # the greedy rows' children at this depth (the top-n of q, GreedyRule.propose), one top_set per
-                # width; their walk needs no proposal (walk_greedy)
-                tops: dict[int, list] = {}
-                by_width: dict[int, list[int]] = {}
-                for b in range(nb):
-                    if greedy_tk[b] and growing[b] and depth <= lims[b]:
-                        by_width.setdefault(shapes[b][depth - 1], []).append(b)
-                for n, group in by_width.items():
-                    ids = top_set(torch.cat([qs[b] for b in group]), n).tolist()
-                    at = 0
-                    for b in group:
-                        tops[b], at = ids[at : at + qs[b].shape[0]], at + qs[b].shape[0]
-                feed = []  # (row, level) pairs the draft processes at this depth
-                for b, r in enumerate(rows):
-                    if not growing[b] or depth > lims[b]:
-                        growing[b] = False
-                        continue
-                    if b in drawn:
-                        level = trees[b].add_level([[drawn[b]]])
-                        chain_q[b].append(qs[b])
-                    elif b in tops:
-                        level = trees[b].add_level(tops[b])
-                    else:
-                        proposal = propose_at(
-                            rules[b], qs[b], shapes[b][depth - 1], r.generator, r.length + depth
-                        )
-                        level = trees[b].add_level(proposal.token_ids.tolist())
-                        proposals[b].append(proposal)
-                    if len(level) == 0:
-                        growing[b] = False
-                        continue
-                    if depth < lims[b]:
-                        feed.append((b, level))
-                    else:
-                        growing[b] = False
-                if not feed:
-                    break
-                width = max(len(level) for _, level in feed)
-                t_old = self.dcache.num_cols
-                ids_l, pos_l = [[0] * width for _ in rows], [[0] * width for _ in rows]
-                allowed = self.dcache.allowed(width)
-                allowed[:, :, t_old:] = torch.eye(width, dtype=torch.bool, device=dev)[
-                    None
-                ]  # a node sees itself
-                for b, level in feed:
-                    tree, n = trees[b], len(level)
-                    ids_l[b][:n] = tree.tokens[level.start : level.stop]
-                    pos_l[b][:n] = [rows[b].length + depth] * n
-                    if level.start > 1:  # the level's ancestors among the earlier non-root nodes
-                        cols = [node_col[b][j] for j in range(1, level.start)]
-                        allowed[b, :n, cols] |= tree.mask(level, range(1, level.start)).to(dev)
-                ids, pos = torch.tensor(ids_l, device=dev), torch.tensor(pos_l, device=dev)
-                logits = forward_logits(
-                    self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self._d_dtype)
-                )
-                self.dcache.append(torch.zeros(nb, width, dtype=torch.bool, device=dev))
-                fed_rows = [b for b, _ in feed]
-                q_fed = probs_by_settings(
-                    logits[fed_rows, :, : self.vocab_size], [q_set[b] for b in fed_rows]
-                )
-                for i, (b, level) in enumerate(feed):
-                    for j, node in enumerate(level):
-                        node_col[b][node] = t_old + j
-                    qs[b] = q_fed[i, : len(level)]
-                    fed[b] = depth
+        step = self._draft(rows, shapes, lims)
         t1 = time.perf_counter()
+        logits = self._verify(rows, step.trees)
+        t2 = time.perf_counter()
+        walks = self._walk_chains(rows, step, logits)
+        return self._accept(rows, step, logits, walks, flags, (t0, t1, t2))
 
-        # ---- verify: ONE target forward over every row's root and tree nodes
-        # (ids and positions built as lists and sent as one tensor each; a root alone needs no mask beyond the
-        # diagonal: per-row tensor ops cost ~10 us each, 16 rows x several per step)
+    def _draft(self, rows: list[BatchRow], shapes: list[list[int]], lims: list[int]) -> _DraftedStep:
+        """Every row's tree of this step: the draft's forward over each row's pending tokens, then one forward per
+        depth over the levels that have children to draft."""
+        from resispec.decoding.engine import GREEDY_TOPK
+        from resispec.decoding.tree import DraftTree, max_tree_nodes
+
+        dev, nb = self.device, len(rows)
+        greedy = [r.greedy and self.greedy_topk for r in rows]
+        rules = [
+            GREEDY_TOPK if g else row_rule(self.rule, r.generator) for r, g in zip(rows, greedy, strict=True)
+        ]
+        q_set = [
+            dict(temperature=1.0, top_k=0, top_p=1.0) if g else r.settings
+            for r, g in zip(rows, greedy, strict=True)
+        ]
+        step = _DraftedStep(
+            trees=[DraftTree(r.root, max_tree_nodes(sh)) for r, sh in zip(rows, shapes, strict=True)],
+            rules=rules,
+            greedy=greedy,
+            # rows whose draws and walk are batched (walk_one_draw_chains): sampled and unseeded, drafting a chain
+            # of one-draw nodes with a rule whose one-draw step is standard speculative sampling, or not drafting
+            chain=[
+                not g
+                and not isinstance(r.generator, SeedStream)
+                and (lim == 0 or (getattr(rule, "one_draw_is_standard", False) and set(sh[:lim]) == {1}))
+                for r, g, rule, sh, lim in zip(rows, greedy, rules, shapes, lims, strict=True)
+            ],
+            chain_q=[[] for _ in rows],
+            proposals=[[] for _ in rows],
+            fed=[0] * nb,
+            node_col=[{} for _ in rows],
+        )
+        trees, chain, fed, node_col = step.trees, step.chain, step.fed, step.node_col
+        # ---- depth 0: every row's pending committed tokens, LEFT-padded so that every row's last one is the
+        # block's last column and only that column goes through the LM head (a newcomer's prompt pads every other
+        # row to its length: full logits there cost more than the draft's layers)
+        ids, pos, new_valid, block = _left_padded(
+            [r.pending for r in rows], [r.length + 1 - len(r.pending) for r in rows], dev
+        )
+        width = ids.shape[1]
+        allowed = self.dcache.allowed(width)
+        t_old = self.dcache.num_cols
+        allowed[:, :, t_old:] = block
+        logits = forward_logits(
+            self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self._d_dtype), logits_to_keep=1
+        )
+        self.dcache.append(new_valid)
+        q_all = probs_by_settings(logits[:, -1, : self.vocab_size], q_set)  # [B, V]
+        qs = [q_all[b : b + 1] for b in range(nb)]
+        growing = [lim > 0 for lim in lims]
+        for depth in range(1, max(lims) + 1):
+            # the chain rows' draws at this depth at once, each row's uniform from its own generator
+            draw = [b for b in range(nb) if chain[b] and growing[b] and depth <= lims[b]]
+            drawn = {}
+            if draw:
+                q_draw = torch.cat([qs[b] for b in draw])
+                tokens = sample_each(q_draw, [rows[b].generator for b in draw]).tolist()
+                drawn = dict(zip(draw, tokens, strict=True))
+            # the greedy rows' children at this depth (the top-n of q, GreedyRule.propose), one top_set per width;
+            # their walk needs no proposal (walk_greedy)
+            tops: dict[int, list] = {}
+            by_width: dict[int, list[int]] = {}
+            for b in range(nb):
+                if greedy[b] and growing[b] and depth <= lims[b]:
+                    by_width.setdefault(shapes[b][depth - 1], []).append(b)
+            for n, group in by_width.items():
+                ids = top_set(torch.cat([qs[b] for b in group]), n).tolist()
+                at = 0
+                for b in group:
+                    tops[b], at = ids[at : at + qs[b].shape[0]], at + qs[b].shape[0]
+            feed = []  # (row, level) pairs the draft processes at this depth
+            for b, r in enumerate(rows):
+                if not growing[b] or depth > lims[b]:
+                    growing[b] = False
+                    continue
+                if b in drawn:
+                    level = trees[b].add_level([[drawn[b]]])
+                    step.chain_q[b].append(qs[b])
+                elif b in tops:
+                    level = trees[b].add_level(tops[b])
+                else:
+                    proposal = propose_at(
+                        rules[b], qs[b], shapes[b][depth - 1], r.generator, r.length + depth
+                    )
+                    level = trees[b].add_level(proposal.token_ids.tolist())
+                    step.proposals[b].append(proposal)
+                if len(level) == 0:
+                    growing[b] = False
+                    continue
+                if depth < lims[b]:
+                    feed.append((b, level))
+                else:
+                    growing[b] = False
+            if not feed:
+                break
+            width = max(len(level) for _, level in feed)
+            t_old = self.dcache.num_cols
+            ids_l, pos_l = [[0] * width for _ in rows], [[0] * width for _ in rows]
+            allowed = self.dcache.allowed(width)
+            allowed[:, :, t_old:] = torch.eye(width, dtype=torch.bool, device=dev)[None]  # a node sees itself
+            for b, level in feed:
+                tree, n = trees[b], len(level)
+                ids_l[b][:n] = tree.tokens[level.start : level.stop]
+                pos_l[b][:n] = [rows[b].length + depth] * n
+                if level.start > 1:  # the level's ancestors among the earlier non-root nodes
+                    cols = [node_col[b][j] for j in range(1, level.start)]
+                    allowed[b, :n, cols] |= tree.mask(level, range(1, level.start)).to(dev)
+            ids, pos = torch.tensor(ids_l, device=dev), torch.tensor(pos_l, device=dev)
+            logits = forward_logits(
+                self._d_fwd, ids, self.dcache.cache, pos, _additive(allowed, self._d_dtype)
+            )
+            self.dcache.append(torch.zeros(nb, width, dtype=torch.bool, device=dev))
+            fed_rows = [b for b, _ in feed]
+            q_fed = probs_by_settings(logits[fed_rows, :, : self.vocab_size], [q_set[b] for b in fed_rows])
+            for i, (b, level) in enumerate(feed):
+                for j, node in enumerate(level):
+                    node_col[b][node] = t_old + j
+                qs[b] = q_fed[i, : len(level)]
+                fed[b] = depth
+        return step
+
+    def _verify(self, rows: list[BatchRow], trees: list) -> torch.Tensor:
+        """ONE target forward over every row's root and tree nodes -> logits [B, widest tree, V]. Ids and positions
+        are built as lists and sent as one tensor each; a root alone needs no mask beyond the diagonal (per-row
+        tensor ops cost ~10 us each, 16 rows x several per step)."""
+        dev = self.device
         width = max(t.num_nodes for t in trees)
         tails = [[0] * (width - t.num_nodes) for t in trees]  # each row's padding after its nodes
         ids = torch.tensor([t.tokens + z for t, z in zip(trees, tails, strict=True)], device=dev)
@@ -901,40 +927,60 @@ class BatchedSpeculativeDecoder:
             n = tree.num_nodes
             if n > 1:
                 allowed[b, :n, t_old : t_old + n] = tree.mask(range(n), range(n)).to(dev)
-        logits = forward_logits(
+        return forward_logits(
             self._target_fwd, ids, self.tcache.cache, pos, _additive(allowed, self._t_dtype)
         )
-        t2 = time.perf_counter()
-        # temperature-0 rows: argmax p at every node of every row, one op and one host sync for the batch
-        best = logits[:, :, : self.vocab_size].argmax(-1).tolist() if any(greedy_tk) else None
 
-        # the chain rows' walks, by chain depth, in batched ops (walk_one_draw_chains)
+    def _walk_chains(
+        self, rows: list[BatchRow], step: _DraftedStep, logits: torch.Tensor
+    ) -> dict[int, tuple[list[int], list[int]]]:
+        """The chain rows' walks (row index -> (run, accepted)), grouped by chain depth, in batched ops
+        (walk_one_draw_chains)."""
         walks: dict[int, tuple[list[int], list[int]]] = {}
         by_depth: dict[int, list[int]] = {}
-        for b in range(nb):
-            if chain[b]:
-                by_depth.setdefault(trees[b].depth, []).append(b)
+        for b, tree in enumerate(step.trees):
+            if step.chain[b]:
+                by_depth.setdefault(tree.depth, []).append(b)
         for d, idx in by_depth.items():
             p = probs_by_settings(logits[idx, : d + 1, : self.vocab_size], [rows[b].settings for b in idx])
-            drafted = torch.tensor([trees[b].tokens[1 : d + 1] for b in idx], device=dev)  # node d: depth d
-            q = torch.stack([torch.cat(chain_q[b]) for b in idx]) if d else None
+            drafted = torch.tensor(
+                [step.trees[b].tokens[1 : d + 1] for b in idx], device=self.device
+            )  # depth d
+            q = torch.stack([torch.cat(step.chain_q[b]) for b in idx]) if d else None
             walked = walk_one_draw_chains(p, drafted, q, [rows[b].generator for b in idx])
             walks.update(zip(idx, walked, strict=True))
+        return walks
 
-        # ---- accept per row, then the bookkeeping that compacts both caches
-        t_valid = torch.zeros(nb, width, dtype=torch.bool, device=dev)
+    def _accept(
+        self,
+        rows: list[BatchRow],
+        step: _DraftedStep,
+        logits: torch.Tensor,
+        walks: dict[int, tuple[list[int], list[int]]],
+        flags: list,
+        times: tuple[float, float, float],
+    ) -> list[tuple[BatchRow, list[int]]]:
+        """Every other row's walk (greedy: argmax p at every node, one host sync for the batch; sampled: the lean
+        step's walk, the same randomness as the row decoded alone), then each row's tokens, stats and caches: the
+        accepted nodes stay valid, both caches are compacted, finished rows leave."""
+        t0, t1, t2 = times
+        trees, fed, node_col = step.trees, step.fed, step.node_col
+        best = logits[:, :, : self.vocab_size].argmax(-1).tolist() if any(step.greedy) else None
+        t_valid = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=self.device)
         out = []
         for b, (r, tree) in enumerate(zip(rows, trees, strict=True)):
             if b in walks:
                 run, accepted = walks[b]
-            elif greedy_tk[b]:  # temperature 0: argmax p at every node, the walk of the lean step
+            elif step.greedy[b]:
                 run, accepted = walk_greedy(tree, best[b][: tree.num_nodes])
-            else:  # the lean step's walk (same randomness as a row decoded alone)
+            else:
 
                 def p_at(nodes: list[int], b: int = b, r: BatchRow = r) -> torch.Tensor:
                     return self._probs(logits[b, nodes], r.settings)
 
-                run, accepted = walk_sampled(rules[b], tree, p_at, proposals[b], r.generator, r.length + 1)
+                run, accepted = walk_sampled(
+                    step.rules[b], tree, p_at, step.proposals[b], r.generator, r.length + 1
+                )
             t_valid[b, [0] + accepted] = True
             for n in accepted:
                 if tree.depths[n] <= fed[b]:
@@ -944,10 +990,7 @@ class BatchedSpeculativeDecoder:
             s = r.stats
             s.target_forwards += 1
             s.target_seconds += t2 - t1
-            if not draft:
-                r.pending.append(run[-1])
-            else:
-                r.pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed[b]] + [run[-1]]
+            r.pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed[b]] + [run[-1]]
             if flags[b]:
                 s.record_step(tree.num_nodes, len(accepted), tree.depth)
                 s.draft_forwards += 1 + fed[b]
