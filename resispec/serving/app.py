@@ -694,146 +694,156 @@ def create_app(
 
     @app.post("/v1/completions", dependencies=auth, responses=generation_errors)
     async def completions(req: CompletionRequest, request: Request):
-        st.check_common(req)
-        prompt_ids, prompt_text = await st.completion_prompt(req)
-        params = st.params(req, req.max_tokens, len(prompt_ids), logprobs=req.logprobs, echo=req.echo)
-        rid, created, model = new_id("cmpl"), now(), st.cfg.model_name
-        job = st.submit(prompt_ids, params)
-        echo = prompt_text if req.echo else ""
-        scored = 0  # emitted tokens whose log-probs are sent
-        offset = len(echo)  # text offset of the next scored token
-
-        def logprobs(num_tokens: int, prompt: bool = False) -> dict | None:
-            nonlocal scored, offset
-            if req.logprobs is None:
-                return None
-            entries = list(job.prompt_logprobs or []) if prompt else []
-            start = 0 if prompt else offset
-            entries += job.logprobs[scored : scored + num_tokens]
-            scored += num_tokens
-            out = completion_logprobs(entries, st.token_text, start)
-            if not prompt:
-                offset += sum(len(t) for t in out["tokens"])
-            return out
-
-        def body(text: str, finish: str | None, lp: dict | None = None) -> dict:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
-            }
-
-        if not req.stream:
-            res = await st.collect(request, job, params.stop)
-            return {
-                **body(echo + res.text, res.finish_reason, logprobs(res.num_tokens, prompt=req.echo)),
-                "usage": usage(len(prompt_ids), res.num_tokens, job.stats),
-            }
-        with_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def events() -> AsyncIterator[str]:
-            extra = {"usage": None} if with_usage else {}
-            echoed = not req.echo
-            try:
-                async with aclosing(st.run(job, params.stop)) as deltas:
-                    async for delta, num_tokens in deltas:
-                        if not echoed:  # the prompt's log-probs exist once the worker has started the job
-                            echoed = True
-                            yield _sse({**body(echo, None, logprobs(0, prompt=True)), **extra})
-                        if delta or (num_tokens and req.logprobs is not None):
-                            yield _sse({**body(delta, None, logprobs(num_tokens)), **extra})
-                if not echoed:
-                    yield _sse({**body(echo, None, logprobs(0, prompt=True)), **extra})
-                yield _sse({**body("", job.result.finish_reason), **extra})
-                if with_usage:
-                    yield _sse(
-                        {
-                            **body("", None),
-                            "choices": [],
-                            "usage": usage(len(prompt_ids), job.result.num_tokens, job.stats),
-                        }
-                    )
-            except Exception as exc:  # the stream has started: report in-band
-                yield _sse_error(exc)
-            yield "data: [DONE]\n\n"
-
-        return _CancellingStream(events(), job)
+        return await _completions(st, req, request)
 
     @app.post("/v1/chat/completions", dependencies=auth, responses=generation_errors)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        st.check_common(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
-        num_top = (req.top_logprobs or 0) if req.logprobs else None
-        prompt_ids = await st.chat_prompt(req)
-        if req.max_completion_tokens is not None:
-            max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens, max_param = req.max_tokens, "max_tokens"
-        params = st.params(req, max_tokens, len(prompt_ids), max_param, logprobs=num_top)
-        rid, created, model = new_id("chatcmpl"), now(), st.cfg.model_name
-        job = st.submit(prompt_ids, params)
-        scored = 0
-
-        def logprobs(num_tokens: int) -> dict | None:
-            nonlocal scored
-            if num_top is None:
-                return None
-            entries = job.logprobs[scored : scored + num_tokens]
-            scored += num_tokens
-            return chat_logprobs(entries, st.token_text)
-
-        def chunk(delta: dict, finish: str | None, lp: dict | None = None) -> dict:
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-            }
-
-        if not req.stream:
-            res = await st.collect(request, job, params.stop)
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": res.text},
-                        "logprobs": logprobs(res.num_tokens),
-                        "finish_reason": res.finish_reason,
-                    }
-                ],
-                "usage": usage(len(prompt_ids), res.num_tokens, job.stats),
-            }
-        with_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def events() -> AsyncIterator[str]:
-            extra = {"usage": None} if with_usage else {}
-            try:
-                yield _sse({**chunk({"role": "assistant", "content": ""}, None), **extra})
-                async with aclosing(st.run(job, params.stop)) as deltas:
-                    async for delta, num_tokens in deltas:
-                        if delta or (num_tokens and num_top is not None):
-                            yield _sse({**chunk({"content": delta}, None, logprobs(num_tokens)), **extra})
-                yield _sse({**chunk({}, job.result.finish_reason), **extra})
-                if with_usage:
-                    yield _sse(
-                        {
-                            **chunk({}, None),
-                            "choices": [],
-                            "usage": usage(len(prompt_ids), job.result.num_tokens, job.stats),
-                        }
-                    )
-            except Exception as exc:
-                yield _sse_error(exc)
-            yield "data: [DONE]\n\n"
-
-        return _CancellingStream(events(), job)
+        return await _chat_completions(st, req, request)
 
     return app
+
+
+async def _completions(st: _Server, req: CompletionRequest, request: Request):
+    """POST /v1/completions: one completion, whole or streamed (SSE); echo and log-probs as OpenAI's legacy API."""
+    st.check_common(req)
+    prompt_ids, prompt_text = await st.completion_prompt(req)
+    params = st.params(req, req.max_tokens, len(prompt_ids), logprobs=req.logprobs, echo=req.echo)
+    rid, created, model = new_id("cmpl"), now(), st.cfg.model_name
+    job = st.submit(prompt_ids, params)
+    echo = prompt_text if req.echo else ""
+    scored = 0  # emitted tokens whose log-probs are sent
+    offset = len(echo)  # text offset of the next scored token
+
+    def logprobs(num_tokens: int, prompt: bool = False) -> dict | None:
+        nonlocal scored, offset
+        if req.logprobs is None:
+            return None
+        entries = list(job.prompt_logprobs or []) if prompt else []
+        start = 0 if prompt else offset
+        entries += job.logprobs[scored : scored + num_tokens]
+        scored += num_tokens
+        out = completion_logprobs(entries, st.token_text, start)
+        if not prompt:
+            offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def body(text: str, finish: str | None, lp: dict | None = None) -> dict:
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
+        }
+
+    if not req.stream:
+        res = await st.collect(request, job, params.stop)
+        return {
+            **body(echo + res.text, res.finish_reason, logprobs(res.num_tokens, prompt=req.echo)),
+            "usage": usage(len(prompt_ids), res.num_tokens, job.stats),
+        }
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        extra = {"usage": None} if with_usage else {}
+        echoed = not req.echo
+        try:
+            async with aclosing(st.run(job, params.stop)) as deltas:
+                async for delta, num_tokens in deltas:
+                    if not echoed:  # the prompt's log-probs exist once the worker has started the job
+                        echoed = True
+                        yield _sse({**body(echo, None, logprobs(0, prompt=True)), **extra})
+                    if delta or (num_tokens and req.logprobs is not None):
+                        yield _sse({**body(delta, None, logprobs(num_tokens)), **extra})
+            if not echoed:
+                yield _sse({**body(echo, None, logprobs(0, prompt=True)), **extra})
+            yield _sse({**body("", job.result.finish_reason), **extra})
+            if with_usage:
+                yield _sse(
+                    {
+                        **body("", None),
+                        "choices": [],
+                        "usage": usage(len(prompt_ids), job.result.num_tokens, job.stats),
+                    }
+                )
+        except Exception as exc:  # the stream has started: report in-band
+            yield _sse_error(exc)
+        yield "data: [DONE]\n\n"
+
+    return _CancellingStream(events(), job)
+
+
+async def _chat_completions(st: _Server, req: ChatCompletionRequest, request: Request):
+    """POST /v1/chat/completions: one chat reply, whole or streamed (SSE), with OpenAI's chat log-probs."""
+    st.check_common(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+    num_top = (req.top_logprobs or 0) if req.logprobs else None
+    prompt_ids = await st.chat_prompt(req)
+    if req.max_completion_tokens is not None:
+        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+    params = st.params(req, max_tokens, len(prompt_ids), max_param, logprobs=num_top)
+    rid, created, model = new_id("chatcmpl"), now(), st.cfg.model_name
+    job = st.submit(prompt_ids, params)
+    scored = 0
+
+    def logprobs(num_tokens: int) -> dict | None:
+        nonlocal scored
+        if num_top is None:
+            return None
+        entries = job.logprobs[scored : scored + num_tokens]
+        scored += num_tokens
+        return chat_logprobs(entries, st.token_text)
+
+    def chunk(delta: dict, finish: str | None, lp: dict | None = None) -> dict:
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+        }
+
+    if not req.stream:
+        res = await st.collect(request, job, params.stop)
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": res.text},
+                    "logprobs": logprobs(res.num_tokens),
+                    "finish_reason": res.finish_reason,
+                }
+            ],
+            "usage": usage(len(prompt_ids), res.num_tokens, job.stats),
+        }
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        extra = {"usage": None} if with_usage else {}
+        try:
+            yield _sse({**chunk({"role": "assistant", "content": ""}, None), **extra})
+            async with aclosing(st.run(job, params.stop)) as deltas:
+                async for delta, num_tokens in deltas:
+                    if delta or (num_tokens and num_top is not None):
+                        yield _sse({**chunk({"content": delta}, None, logprobs(num_tokens)), **extra})
+            yield _sse({**chunk({}, job.result.finish_reason), **extra})
+            if with_usage:
+                yield _sse(
+                    {
+                        **chunk({}, None),
+                        "choices": [],
+                        "usage": usage(len(prompt_ids), job.result.num_tokens, job.stats),
+                    }
+                )
+        except Exception as exc:
+            yield _sse_error(exc)
+        yield "data: [DONE]\n\n"
+
+    return _CancellingStream(events(), job)
