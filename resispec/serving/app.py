@@ -703,6 +703,17 @@ def create_app(
     return app
 
 
+def _reply(rid: str, kind: str, created: int, model: str, **choice) -> dict:
+    """An OpenAI response or stream chunk of one choice (index 0, its fields in `choice`'s order)."""
+    return {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, **choice}],
+    }
+
+
 async def _completions(st: _Server, req: CompletionRequest, request: Request):
     """POST /v1/completions: one completion, whole or streamed (SSE); echo and log-probs as OpenAI's legacy API."""
     st.check_common(req)
@@ -728,13 +739,7 @@ async def _completions(st: _Server, req: CompletionRequest, request: Request):
         return out
 
     def body(text: str, finish: str | None, lp: dict | None = None) -> dict:
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
-        }
+        return _reply(rid, "text_completion", created, model, text=text, logprobs=lp, finish_reason=finish)
 
     if not req.stream:
         res = await st.collect(request, job, params.stop)
@@ -798,29 +803,24 @@ async def _chat_completions(st: _Server, req: ChatCompletionRequest, request: Re
         return chat_logprobs(entries, st.token_text)
 
     def chunk(delta: dict, finish: str | None, lp: dict | None = None) -> dict:
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-        }
+        return _reply(
+            rid, "chat.completion.chunk", created, model, delta=delta, logprobs=lp, finish_reason=finish
+        )
 
     if not req.stream:
         res = await st.collect(request, job, params.stop)
+        message = {"role": "assistant", "content": res.text}
+        lp = logprobs(res.num_tokens)
         return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": res.text},
-                    "logprobs": logprobs(res.num_tokens),
-                    "finish_reason": res.finish_reason,
-                }
-            ],
+            **_reply(
+                rid,
+                "chat.completion",
+                created,
+                model,
+                message=message,
+                logprobs=lp,
+                finish_reason=res.finish_reason,
+            ),
             "usage": usage(len(prompt_ids), res.num_tokens, job.stats),
         }
     with_usage = bool(req.stream_options and req.stream_options.include_usage)
