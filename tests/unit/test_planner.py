@@ -237,10 +237,7 @@ def test_batch_one_plan_is_settled_on_measured_steps(micro_pair, monkeypatch):
         return 1.0 if list(tree) == [1] else 10.0
 
     monkeypatch.setattr(planner_mod, "measure_step_ms", fake_step)
-    monkeypatch.setattr(
-        planner_mod, "SETTLE_BAND", 1.0
-    )  # every candidate is a near-tie (at most SETTLE_MOST)
-    monkeypatch.setattr(
+    monkeypatch.setattr(  # every candidate a near-tie, all of them timed
         planner_mod,
         "settle_by_steps",
         lambda ranked, time_step, ar_ms: settle_by_steps(
