@@ -6,7 +6,7 @@ cost shows. Every row takes AR steps (`--mode ar`) or drafts the tree (`--mode s
 python recipes/tiny/batch_churn.py --draft <run>/distill/draft [--rows 16] [--mode ar spec] [--requests 96]
 
 To compare two versions of the code, run it alternately from each checkout (PYTHONPATH=<checkout>), several rounds:
-the machine's speed drifts by tens of percent within minutes (recipes/tiny/README.md, "Joining and leaving").
+the machine's speed drifts by tens of percent within minutes (docs/journal/tiny.md, "Joining and leaving").
 """
 
 from __future__ import annotations

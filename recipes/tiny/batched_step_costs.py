@@ -5,7 +5,7 @@ python recipes/tiny/batched_step_costs.py --draft <run>/distill/draft [--tree 3]
 
 --forward: the decoder's own forward (fast, the default) and/or the HF forward (hf), timed in the same run.
 
-What the server's adaptive policy and the planner's per-batch-size plans should agree with (recipes/vllm/README.md).
+What the server's adaptive policy and the planner's per-batch-size plans should agree with (docs/serving_load.md).
 """
 
 from __future__ import annotations
