@@ -58,15 +58,15 @@ def main(cfg: DictConfig) -> None:
 
     servers = parse_servers(c.bench.server_url, c.bench.server_urls)
     if servers:
+        from resispec.data.prompts import load_heldout_prompts
         from resispec.models.loading import load_tokenizer
-        from resispec.serving.bench import load_bench_prompts
         from resispec.serving.loadtest import run_interleaved
         from resispec.serving.text import decode_ids
 
         tokenizer = load_tokenizer(c.target, c.world)
         prompts = [
             decode_ids(tokenizer, p)
-            for p in load_bench_prompts(c.data, tokenizer, c.world, c.bench.num_prompts)
+            for p in load_heldout_prompts(c.data, tokenizer, c.world, c.bench.num_prompts)
         ]
         api_key = c.server.api_key or os.environ.get("RESISPEC_API_KEY") or None
         run_interleaved(servers, prompts, c.bench, api_key=api_key, output_dir=out_dir)

@@ -2,7 +2,7 @@
 
 from resispec.data.config import DataConfig, RegenConfig
 from resispec.data.packing import pack, pack_example
-from resispec.data.prompts import DataNotFoundError, load_prompts
+from resispec.data.prompts import DataNotFoundError, load_heldout_prompts, load_prompts
 from resispec.data.regen import (
     data_cache_dir,
     ensure_regenerated,
@@ -17,6 +17,7 @@ __all__ = [
     "RegenConfig",
     "data_cache_dir",
     "ensure_regenerated",
+    "load_heldout_prompts",
     "load_prompts",
     "pack",
     "pack_example",

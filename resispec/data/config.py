@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -26,7 +27,13 @@ class DataConfig:
     source: str = "stdlib"
     split: str = "train"
     eval_split: str = "validation"
+    # held-out prompts for the bench, load test and the server's plan (split `test`): never trained on, and not
+    # the eval rows that pick the checkpoint when it names the same source split (those rows are skipped)
+    test_split: str = "test"
     prompt_field: str = "prompt"
+    # extra variables for the tokenizer's chat template wherever a chat prompt is rendered (prompt sets and the
+    # server's chat endpoint), e.g. {enable_thinking: false} for Qwen3 (its template thinks unless told not to)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     messages_field: str = "messages"
     num_train_prompts: int = 512
     num_eval_prompts: int = 64

@@ -27,8 +27,14 @@ def _num_prompts(data: DataConfig, split: str) -> int:
 
 
 def _source_split(data: DataConfig, split: str) -> str:
-    """`train` -> data.split, `eval` -> data.eval_split; any other name is used as it is."""
-    return {"train": data.split, "eval": data.eval_split}.get(split, split)
+    """`train` -> data.split, `eval` -> data.eval_split, `test` -> data.test_split; any other name is used as it
+    is (a hub dataset's own split names: ultrachat_200k has train_sft / test_sft / train_gen / test_gen)."""
+    return {"train": data.split, "eval": data.eval_split, "test": data.test_split}.get(split, split)
+
+
+def _source_rows(num: int) -> int:
+    """Source rows a prompt set of `num` prompts draws from: a margin for prompts dropped as too long."""
+    return num + num // 4 + 8
 
 
 def _num_prefix_specials(tokenizer) -> int:
@@ -96,10 +102,13 @@ def _normalise_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template with a generation prompt when the tokenizer has one; otherwise plain text."""
+def _encode_chat(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """The chat template with a generation prompt (and data.chat_template_kwargs) when the tokenizer has one;
+    otherwise plain text."""
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
+        )
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
     text = "\n\n".join(m["content"] for m in messages) + "\n\n"
@@ -115,7 +124,7 @@ def _record_to_prompt(data: DataConfig, tokenizer, record: dict) -> dict:
         last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=len(msgs) - 1)
         if last_user + 1 < len(msgs) and msgs[last_user + 1]["role"] == "assistant":
             reference = msgs[last_user + 1]["content"]
-        prompt_ids = _encode_chat(tokenizer, msgs[: last_user + 1])
+        prompt_ids = _encode_chat(tokenizer, msgs[: last_user + 1], data.chat_template_kwargs)
     else:
         prompt = record.get(data.prompt_field)
         if prompt is None:
@@ -123,7 +132,9 @@ def _record_to_prompt(data: DataConfig, tokenizer, record: dict) -> dict:
                 f"a record has neither {data.prompt_field!r} nor {data.messages_field!r}: keys {sorted(record)}"
             )
         if getattr(tokenizer, "chat_template", None):
-            prompt_ids = _encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+            prompt_ids = _encode_chat(
+                tokenizer, [{"role": "user", "content": prompt}], data.chat_template_kwargs
+            )
         else:
             prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         reference = record.get("response", record.get("completion", "")) or ""
@@ -134,9 +145,12 @@ def _record_to_prompt(data: DataConfig, tokenizer, record: dict) -> dict:
 
 
 def _load_records(data: DataConfig, split: str) -> datasets.Dataset:
-    """Raw records of a JSONL file (train = all but the last eval rows, eval = the last rows) or a hub dataset."""
+    """Raw records of a JSONL file (train = all but the last eval rows, eval = the last rows), or of a dataset
+    through `datasets.load_dataset(source, split=...)`: a hub name or a local dataset folder (its split names
+    from its file names, as on the hub). `test` rows that would come from the eval split start after the rows the
+    eval prompt set draws from, so bench prompts never include a checkpoint-picking prompt."""
     source = data.source
-    local = source.endswith((".jsonl", ".json")) or Path(source).expanduser().exists()
+    local = source.endswith((".jsonl", ".json")) or Path(source).expanduser().is_file()
     try:
         if local:
             path = Path(source).expanduser()
@@ -147,14 +161,18 @@ def _load_records(data: DataConfig, split: str) -> datasets.Dataset:
             if split == "train":
                 return rows.select(range(len(rows) - num_eval))
             return rows.select(range(len(rows) - num_eval, len(rows)))
-        return datasets.load_dataset(source, split=_source_split(data, split))
+        rows = datasets.load_dataset(source, split=_source_split(data, split))
+        if split == "test" and data.test_split == data.eval_split:
+            rows = rows.select(range(min(len(rows), _source_rows(data.num_eval_prompts)), len(rows)))
+        return rows
     except DataNotFoundError:
         raise
     except Exception as err:  # offline hub, unknown name, bad split
         raise DataNotFoundError(
             f"could not load data source {source!r} (split {_source_split(data, split)!r}): "
-            f"{type(err).__name__}: {str(err).splitlines()[0][:200]}. Use a local JSONL file (data.source=path.jsonl) "
-            "with `prompt` or `messages` fields, or make the dataset available in the HF cache."
+            f"{type(err).__name__}: {str(err).splitlines()[0][:200]}. Name the source's splits with data.split / "
+            "data.eval_split / data.test_split, use a local JSONL file (data.source=path.jsonl) with `prompt` or "
+            "`messages` fields, or make the dataset available in the HF cache."
         ) from None
 
 
@@ -162,7 +180,7 @@ def record_prompts(data: DataConfig, tokenizer, split: str) -> datasets.Dataset:
     """Prompts from a local JSONL or hub dataset; prompts that leave no room for a response are dropped."""
     rows = _load_records(data, split)
     num = _num_prompts(data, split)
-    rows = rows.select(range(min(len(rows), num + num // 4 + 8)))  # a margin for prompts dropped below
+    rows = rows.select(range(min(len(rows), _source_rows(num))))
     out = rows.map(lambda r: _record_to_prompt(data, tokenizer, r), remove_columns=rows.column_names)
     limit = max(1, data.seq_len - min(data.regen.max_new_tokens, data.seq_len // 2))
     out = out.filter(lambda r: 0 < len(r["prompt_ids"]) <= limit)
@@ -177,3 +195,15 @@ def load_prompts(
     if data.source == "stdlib":
         return stdlib_prompts(data, tokenizer, split, world)
     return record_prompts(data, tokenizer, split)
+
+
+def load_heldout_prompts(
+    data: DataConfig, tokenizer, world: WorldConfig | None, num_prompts: int, split: str = "test"
+) -> list[list[int]]:
+    """`num_prompts` held-out prompt id lists: split `test` (data.test_split; never trained on: the bench, the
+    load test) or `eval` (data.eval_split: the planner's calibration)."""
+    from dataclasses import replace
+
+    data = replace(data, num_eval_prompts=max(data.num_eval_prompts, num_prompts))  # non-train splits' count
+    ds = load_prompts(data, tokenizer, split=split, world=world)
+    return [list(p) for p in ds["prompt_ids"][:num_prompts]]

@@ -115,6 +115,7 @@ class _Server:
         eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = set(eos) if isinstance(eos, (list, tuple, set)) else {eos}
         self.created = now()
+        self.chat_template_kwargs: dict = {}  # data.chat_template_kwargs (e.g. Qwen3's enable_thinking)
 
     # ------------------------------------------------------------------ checks
     def check_auth(self, request: Request) -> None:
@@ -240,7 +241,7 @@ class _Server:
     def _encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
         try:
             self._check_length("\n".join(text for _, text in messages), "messages")
-            return encode_chat(self.tokenizer, messages)
+            return encode_chat(self.tokenizer, messages, self.chat_template_kwargs)
         except APIError:
             raise
         except Exception as exc:  # e.g. a chat template that rejects the role order
@@ -617,9 +618,12 @@ def create_app(
     server: ServerConfig | None = None,
     decode: DecodeConfig | None = None,
     max_model_len: int = 2048,
+    chat_template_kwargs: dict | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engine`. The worker thread starts now and stops at app shutdown."""
+    """The FastAPI app serving `engine`. The worker thread starts now and stops at app shutdown.
+    chat_template_kwargs: extra chat-template variables for /v1/chat/completions (data.chat_template_kwargs)."""
     st = _Server(engine, tokenizer, server or ServerConfig(), decode or DecodeConfig(), max_model_len)
+    st.chat_template_kwargs = dict(chat_template_kwargs or {})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

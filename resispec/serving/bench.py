@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from resispec.data.prompts import load_prompts
+from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import DecodeStats, SpeculativeDecoder
 from resispec.decoding.config import DecodeConfig
 from resispec.decoding.planner import CostModel, Planner
@@ -607,15 +607,7 @@ def log_wandb(rows: list[BenchRow], logger, output_dir: Path, run_name: str, met
 # ---------------------------------------------------------------- entry
 
 
-def load_bench_prompts(data, tokenizer, world, num_prompts: int, split: str = "test") -> list[list[int]]:
-    """Held-out prompts: the `test` split of the data source (never seen in distillation); the planner's
-    calibration takes `eval` (validation) prompts."""
-    from dataclasses import replace
-
-    # non-train splits use this count
-    data = replace(data, num_eval_prompts=max(data.num_eval_prompts, num_prompts))
-    ds = load_prompts(data, tokenizer, split=split, world=world)
-    return [list(p) for p in ds["prompt_ids"][:num_prompts]]
+load_bench_prompts = load_heldout_prompts  # the old name (recipes/tiny, recipes/vllm scripts use it)
 
 
 # a random-weight pair shaped like the tiny world (conf/world/tiny.yaml): vocab, widths, depths, heads
@@ -696,11 +688,13 @@ def run_bench(
     if prompts is None:
         if data is None:
             raise ValueError("run_bench needs prompts or a data config")
-        prompts = load_bench_prompts(data, tokenizer, world, bench.num_prompts)
+        prompts = load_heldout_prompts(data, tokenizer, world, bench.num_prompts)
     prompts = prompts[: bench.num_prompts]
     calibration = None  # the planner calibrates on validation prompts, never on the prompts it is measured on
     if bench.plan_rules and not bench.random_pair and data is not None and bench.plan_calibration_prompts > 0:
-        calibration = load_bench_prompts(data, tokenizer, world, bench.plan_calibration_prompts, split="eval")
+        calibration = load_heldout_prompts(
+            data, tokenizer, world, bench.plan_calibration_prompts, split="eval"
+        )
     rows = bench_pair(
         target, drafts, tokenizer, prompts, bench, decode, progress=progress, calibration=calibration
     )

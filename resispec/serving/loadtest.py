@@ -694,8 +694,8 @@ def main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_dir
 
     from resispec.config import register_configs, to_typed
+    from resispec.data.prompts import load_heldout_prompts
     from resispec.models import load_pair
-    from resispec.serving.bench import load_bench_prompts
     from resispec.serving.server import context_length, off_main_thread
     from resispec.serving.text import decode_ids
 
@@ -706,7 +706,8 @@ def main(argv: list[str] | None = None) -> None:
     c = to_typed(cfg)
     target, draft, tokenizer = off_main_thread(load_pair, c.target, c.draft, c.world)
     prompts = [
-        decode_ids(tokenizer, p) for p in load_bench_prompts(c.data, tokenizer, c.world, c.bench.num_prompts)
+        decode_ids(tokenizer, p)
+        for p in load_heldout_prompts(c.data, tokenizer, c.world, c.bench.num_prompts)
     ]
     out = c.bench.output_dir or "outputs/loadtest"
     compare_in_process(

@@ -206,9 +206,9 @@ def build_app(
     threads = serving_threads(server, spare_core=not own_forward)
     prompts = None
     if decode.planned and decode.rule not in AR_RULES and data is not None and decode.plan_prompts > 0:
-        from resispec.serving.bench import load_bench_prompts
+        from resispec.data.prompts import load_heldout_prompts
 
-        prompts = load_bench_prompts(data, tokenizer, world, decode.plan_prompts, split="eval")
+        prompts = load_heldout_prompts(data, tokenizer, world, decode.plan_prompts, split="eval")
     engine = off_main_thread(
         build_engine, target, draft, tokenizer, decode, server, plan_prompts=prompts, threads=threads
     )
@@ -224,7 +224,10 @@ def build_app(
         server.max_batch_size,
         threads,
     )
-    return create_app(engine, tokenizer, server, decode, max_model_len=max_len)
+    template_kwargs = data.chat_template_kwargs if data is not None else None
+    return create_app(
+        engine, tokenizer, server, decode, max_model_len=max_len, chat_template_kwargs=template_kwargs
+    )
 
 
 def serve(

@@ -24,11 +24,16 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
-def encode_chat(tokenizer, messages: Sequence[tuple[str, str]]) -> list[int]:
-    """Chat messages -> prompt ids: the tokenizer's chat template when it has one, else the fallback."""
+def encode_chat(
+    tokenizer, messages: Sequence[tuple[str, str]], template_kwargs: dict | None = None
+) -> list[int]:
+    """Chat messages -> prompt ids: the tokenizer's chat template (with data.chat_template_kwargs, e.g. Qwen3's
+    enable_thinking) when it has one, else the fallback."""
     if getattr(tokenizer, "chat_template", None):
         dicts = [{"role": role, "content": text} for role, text in messages]
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            dicts, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template carries BOS itself
     return encode_text(tokenizer, fallback_chat_prompt(messages))
 

