@@ -24,6 +24,10 @@ from resispec.training.config import LoggerConfig, OptimConfig, TrainConfig
 @dataclass
 class ResiSpecConfig:
     name: str = "tiny"  # run name: recipe name; used in output folders and W&B
+    # true: the recipe's hub models and hub dataset are swapped for a local stand-in built from their shipped
+    # config.json (same architecture, vocabulary, special ids, template; small width and depth) and a local
+    # dataset shaped like the hub one; nothing else changes (resispec/models/standin.py)
+    standin: bool = False
     world: WorldConfig = field(default_factory=WorldConfig)
     target: ModelConfig = field(default_factory=ModelConfig)
     draft: ModelConfig = field(default_factory=lambda: ModelConfig(path="world:draft"))
@@ -44,9 +48,14 @@ def register_configs() -> None:
 
 
 def to_typed(cfg) -> ResiSpecConfig:
-    """DictConfig -> ResiSpecConfig (typed dataclasses all the way down)."""
+    """DictConfig -> ResiSpecConfig (typed dataclasses all the way down). With `standin=true` the hub names are
+    swapped for the local stand-in (built once and cached)."""
     from omegaconf import OmegaConf
 
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, ResiSpecConfig), type(obj)
+    if obj.standin:
+        from resispec.models.standin import apply_standin
+
+        obj = apply_standin(obj)
     return obj

@@ -14,7 +14,7 @@ from tests.unit.test_training_helpers import make_micro_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "recipes" / "accelerate"
-LLAMA = ROOT / "recipes" / "llama3" / "model_configs"
+LLAMA = ROOT / "resispec" / "models" / "hub_configs" / "meta-llama"
 
 
 @pytest.fixture(scope="module")
