@@ -15,7 +15,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from resispec.models.export import HEAD_DIMS, ExportError, export_draft
+    from resispec.models.export import HEAD_DIMS, ExportError, default_backend, export_draft
     from resispec.models.loading import ModelNotFoundError
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="world:target")
     ap.add_argument("--out", required=True, help="output folder (replaced atomically)")
     ap.add_argument("--adapter", default=None, help="a peft LoRA adapter folder to merge into the draft")
-    ap.add_argument("--backend", default="vllm-cpu", choices=sorted(HEAD_DIMS))
+    ap.add_argument(
+        "--backend",
+        default=None,
+        choices=sorted(HEAD_DIMS),
+        help=f"attention backend whose head sizes are checked (default here: {default_backend()}; "
+        "vllm-flash-attn where CUDA is present, else vllm-cpu)",
+    )
     ap.add_argument("--k", type=int, default=2, help="num_speculative_tokens in the serve commands")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size in the GPU commands")
     ap.add_argument("--max-model-len", type=int, default=None, help="server context (default: the target's)")

@@ -44,6 +44,13 @@ SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"
 TMP_PREFIX = ".tmp-"
 
 
+def default_backend() -> str:
+    """The backend of this machine: vLLM's GPU attention (FlashAttention) where CUDA is present, else vllm-cpu."""
+    import torch
+
+    return "vllm-flash-attn" if torch.cuda.is_available() else "vllm-cpu"
+
+
 class ExportError(ValueError):
     """The draft cannot be served with the target on the chosen backend (one line, says what is wrong)."""
 
@@ -223,7 +230,7 @@ def export_draft(
     target: str,
     out_dir: str | Path,
     adapter: str | None = None,
-    backend: str = "vllm-cpu",
+    backend: str | None = None,
     k: int = 2,
     tp: int = 1,
     max_model_len: int | None = None,
@@ -232,10 +239,11 @@ def export_draft(
 ) -> ExportResult:
     """Check, then write `out_dir` (atomically): the draft (with `adapter` merged, if given) as safetensors, the
     tokenizer, SERVE.md and serve_commands.txt, export.json. `draft`/`target`: local folders, hub names or
-    `world:...`. With an adapter, `draft` is its base model."""
+    `world:...`. With an adapter, `draft` is its base model. backend: None = this machine's (default_backend)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    backend = backend or default_backend()
     draft_path = resolve_model_path(draft, world)
     target_path = resolve_model_path(target, world)
     target_config, target_tok = _load_config(target_path), load_tokenizer(target_path)

@@ -73,9 +73,13 @@ def clean_temporaries(root: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def export_draft(accelerator, model, tokenizer, out_dir: Path, merge_lora: bool) -> Path:
+def export_draft(
+    accelerator, model, tokenizer, out_dir: Path, merge_lora: bool, dtype: torch.dtype | None = None
+) -> Path:
     """Write the draft as a plain HF checkpoint (safetensors + tokenizer) at out_dir, atomically. A LoRA draft
-    is merged into a copy of its base first, so the folder loads with AutoModelForCausalLM and no peft."""
+    is merged into a copy of its base first, so the folder loads with AutoModelForCausalLM and no peft.
+    dtype: the floating-point weights' dtype on disk (and config.json's `dtype`), e.g. the draft's training dtype
+    bf16 where the run keeps float32 master weights; None = as the weights are."""
     state = full_state_dict(accelerator, model)  # gathers FSDP / ZeRO-3 shards; on every process
     if accelerator.is_main_process:
         tmp = out_dir.with_name(TMP_PREFIX + out_dir.name)
@@ -85,10 +89,18 @@ def export_draft(accelerator, model, tokenizer, out_dir: Path, merge_lora: bool)
             merged = copy.deepcopy(unwrapped)
             merged.load_state_dict(state)
             plain = merged.merge_and_unload()
+            if dtype is not None:
+                plain.to(dtype)
             plain.save_pretrained(tmp, safe_serialization=True)
             del merged, plain
         else:
+            if dtype is not None:
+                state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            if dtype is not None:  # save_pretrained names the live (float32 master) weights' dtype
+                config = json.loads((tmp / "config.json").read_text())
+                config["dtype"] = str(dtype).removeprefix("torch.")
+                (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)

@@ -145,6 +145,7 @@ class _Run:
     state: TrainerState
     log: RunLogger
     param_numel: tuple[int, int]  # (held by this process, total): a shard under FSDP
+    export_dtype: torch.dtype | None = None  # the draft's dtype as loaded (bf16 in the real recipes): exports
 
     @property
     def ckpt_root(self) -> Path:
@@ -222,6 +223,7 @@ def _setup(job: DistillJob) -> _Run:
     target, draft, tok, train_ds, eval_ds = _load_inputs(
         accelerator, job.world, job.target, job.draft, job.data, job.rows
     )
+    export_dtype = draft.dtype  # before float32 master weights: draft/ and best/ are written in it
     packed, eval_seqs = _pack(job, train_ds, eval_ds, _pad_id(tok))
     rules = closed_form_rules(sorted({int(n) for n in job.decode.fixed_tree}))
     pick_rule = eval_rule(job.decode.rule)
@@ -261,6 +263,7 @@ def _setup(job: DistillJob) -> _Run:
         state,
         log,
         param_numel,
+        export_dtype,
     )
     if state.before is None:
         state.before = _evaluate(run)
@@ -362,7 +365,7 @@ def _prepare_draft(accelerator, job: DistillJob, draft):
         draft = _lora_wrap(draft, job.draft)  # peft keeps the adapter weights in float32
     elif draft.dtype in (torch.bfloat16, torch.float16):
         # full training keeps float32 master weights (AdamW updates vanish in bf16); the forward still runs in
-        # train.mixed_precision, and the exported draft is float32 (load it with draft.dtype=bfloat16 to serve)
+        # train.mixed_precision, and the exported draft is in the dtype it was loaded in (_Run.export_dtype)
         draft.float()
     draft.train()
     optim = job.optim
@@ -454,7 +457,7 @@ def _evaluate_and_keep_best(run: _Run) -> None:
 def _export_best(run: _Run, metrics: dict) -> None:
     """best/ (plain HF draft), best_adapter/ (LoRA) and best_metrics.json for the current weights."""
     acc, run_dir = run.accelerator, run.run_dir
-    ckpt.export_draft(acc, run.draft, run.tokenizer, run_dir / "best", run.lora)
+    ckpt.export_draft(acc, run.draft, run.tokenizer, run_dir / "best", run.lora, run.export_dtype)
     if run.lora:
         ckpt.export_adapter(acc, run.draft, run_dir / "best_adapter")
     if run.is_main:

