@@ -95,10 +95,11 @@ def node_pairs(target_logits: Tensor, draft_logits: Tensor, temperature: float) 
 
 
 def auto_alpha(
-    per_node: dict[str, dict], feature: Tensor, threshold: float, distinct_rule: str, iid_rule: str
+    per_node: dict[str, dict], feature: Tensor, threshold: float, distinct_rule: str, iid_rule: str, n: int
 ):
-    """resispec_auto's per-node α is its branch's per-node α: distinct where feature >= threshold (max q)."""
-    mask = feature >= threshold
+    """resispec_auto's per-node α is its branch's per-node α: distinct where feature >= threshold (max q), never at
+    n = 1 (AutoPolicy.distinct_rows)."""
+    mask = (feature >= threshold) & (n > 1)
     d, i = per_node[distinct_rule], per_node[iid_rule]
     return torch.where(mask, d["alpha"], i["alpha"]), torch.where(mask, d["se"], i["se"]), mask
 
@@ -118,7 +119,9 @@ def calibrate_policy(
             for t in THRESHOLD_GRID:
                 s = sum(
                     float(
-                        auto_alpha(results[k]["per_node"], results[k]["feature"], t, rule, iid_rule)[0].mean()
+                        auto_alpha(results[k]["per_node"], results[k]["feature"], t, rule, iid_rule, n)[
+                            0
+                        ].mean()
                     )
                     for k in keys
                 )
@@ -280,7 +283,7 @@ def run(
     for (t, n), r in test.items():
         per_node = dict(r["per_node"])
         a, se, mask = auto_alpha(
-            per_node, r["feature"], policy.threshold_for(n), policy.distinct_rule_for(n), policy.iid_rule
+            per_node, r["feature"], policy.threshold_for(n), policy.distinct_rule_for(n), policy.iid_rule, n
         )
         per_node[AUTO] = {
             "alpha": a,

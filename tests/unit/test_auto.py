@@ -261,3 +261,126 @@ def test_two_policies_coexist_and_come_from_config(tmp_path: Path) -> None:
         ResiSpecAutoRule(
             AutoPolicy(iid_rule="rrs"), iid=VERIFIERS["resispec"], distinct={"gumbel": VERIFIERS["gumbel"]}
         )
+
+
+# ---------------------------------------------------------------------------------------------- never below a branch
+
+
+def _logit_pairs(num: int, vocab: int, scale: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """p = softmax(scale z), q = softmax(scale z + e): the random pairs of issue 42 (z, e ~ N(0, 1))."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(num, vocab, generator=gen, dtype=torch.float64)
+    e = torch.randn(num, vocab, generator=gen, dtype=torch.float64)
+    return torch.softmax(scale * z, -1), torch.softmax(scale * z + e, -1)
+
+
+def test_auto_at_one_draw_is_the_iid_rule() -> None:
+    """n = 1: every scheme is one draw from q, and the i.i.d. rule's step (standard speculative sampling) is the
+    optimal coupling. resispec_auto must be exactly that step on every node, confident drafts included: no row
+    distinct, the same tokens as resispec for the same seed, and the closed form sum min(p, q). (Before the fix it
+    took gumbel on confident nodes: .318 against .406 on V = 16.)"""
+    auto, iid, chain = VERIFIERS["resispec_auto"], VERIFIERS["resispec"], VERIFIERS["chain"]
+    p, q = _logit_pairs(64, 16, 3.0, seed=1)
+    assert bool((q.max(-1).values >= 0.3).any()), "the case must hold confident drafts"
+    assert not bool(auto.policy.distinct_rows(q, 1).any())
+    assert auto.one_draw_is_standard
+    torch.testing.assert_close(auto.acceptance(p, q, 1), chain.acceptance(p, q, 1), rtol=0, atol=1e-12)
+    for seed in range(5):
+        g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        got = auto.verify(p, auto.propose(q, 1, g1), g1)
+        want = iid.verify(p, iid.propose(q, 1, g2), g2)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+    # a calibrated policy cannot send n = 1 anywhere else either
+    forced = auto_rule(AutoPolicy(threshold=0.0, thresholds={1: 0.0}))
+    assert not bool(forced.policy.distinct_rows(q, 1).any())
+
+
+def _mean_alpha(rule, p, q, n, samples, seed) -> tuple[float, float]:
+    """Mean per-node acceptance over the nodes and its standard error (closed form: SE 0)."""
+    from resispec.verify.base import covers
+    from resispec.verify.estimate import monte_carlo_alpha
+
+    if covers(rule.closed_form_draws, n) and rule.name != "resispec_auto":
+        return float(rule.acceptance(p, q, n).double().mean()), 0.0
+    rate, _ = monte_carlo_alpha(rule, p, q, n, samples, torch.Generator().manual_seed(seed))
+    # rows are independent Bernoulli means: the SE of the grand mean from the per-row variances
+    return float(rate.mean()), float((rate * (1 - rate) / samples).sum().sqrt() / rate.numel())
+
+
+def _assert_auto_not_below_branches(p, q, draws, samples, what) -> dict:
+    auto = VERIFIERS["resispec_auto"]
+    out = {}
+    for n in draws:
+        a, a_se = _mean_alpha(auto, p, q, n, samples, seed=10 + n)
+        for name in ("resispec", auto.policy.distinct_rule_for(n)):
+            b, b_se = _mean_alpha(VERIFIERS[name], p, q, n, samples, seed=20 + n)
+            slack = 4.5 * (a_se**2 + b_se**2) ** 0.5
+            assert a >= b - slack, (what, n, name, a, b, slack)
+            out[(n, name)] = (a, b)
+    return out
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 3.0])
+def test_auto_is_never_below_its_branches_on_random_pairs(scale: float) -> None:
+    """Mean per-node α of resispec_auto (Monte Carlo of the rule itself) >= that of resispec (closed form) and of its
+    distinct rule (Monte Carlo) minus 4.5 standard errors, n = 1..4, flat to peaked pairs over V = 16. The old
+    n = 1 choice (gumbel on confident nodes) failed this by ~0.05 at scale 3."""
+    p, q = _logit_pairs(600, 16, scale, seed=int(scale * 10))
+    _assert_auto_not_below_branches(p, q, (1, 2, 3, 4), 200, f"random pairs scale {scale}")
+
+
+def test_auto_is_never_below_its_branches_on_the_micro_world(micro_world) -> None:
+    """The same on real LM pairs: the micro world's target and draft at held-out positions, T = 1 and 0.6."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from resispec.analysis.headroom import collect_logits, node_pairs, token_windows
+    from resispec.models import stdlib_splits
+
+    world, paths = micro_world
+    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
+    target = AutoModelForCausalLM.from_pretrained(paths.target_dir).eval()
+    draft = AutoModelForCausalLM.from_pretrained(paths.draft_dir).eval()
+    wins = token_windows(tok, stdlib_splits(world)["test"], 8, 96, 16)
+    with torch.no_grad():
+        lt, ld = collect_logits(target, draft, wins, 20, 16, seed=0)
+    for temperature in (1.0, 0.6):
+        p, q = node_pairs(lt, ld, temperature)
+        _assert_auto_not_below_branches(p, q, (1, 2, 3, 4), 100, f"micro world T = {temperature}")
+
+
+def test_calibration_cannot_produce_a_policy_below_a_branch() -> None:
+    """calibrate_policy searches thresholds that include 'never distinct' (1.01) and 'always distinct' (0.0) for
+    every candidate, so on its own calibration data the chosen policy's mean α is >= every pure branch's, for
+    every n, whatever the per-node values; and at n = 1 it is the i.i.d. rule's exactly."""
+    from resispec.analysis.headroom import auto_alpha, calibrate_policy
+
+    gen = torch.Generator().manual_seed(3)
+    draws = [1, 2, 3, 4]
+    for trial in range(20):
+        results = {}
+        for t in (1.0, 0.6):
+            for n in draws:
+                per_node = {
+                    name: {"alpha": torch.rand(50, generator=gen, dtype=torch.float64), "se": torch.zeros(50)}
+                    for name in ("resispec", "gumbel", "rsd")
+                }
+                results[(t, n)] = {"per_node": per_node, "feature": torch.rand(50, generator=gen)}
+        policy = calibrate_policy(results, draws, candidates=("gumbel", "rsd"))
+        for n in draws:
+            keys = [k for k in results if k[1] == n]
+
+            def total(threshold, rule, keys=keys, n=n, results=results):
+                return sum(
+                    float(
+                        auto_alpha(
+                            results[k]["per_node"], results[k]["feature"], threshold, rule, "resispec", n
+                        )[0].mean()
+                    )
+                    for k in keys
+                )
+
+            chosen = total(policy.threshold_for(n), policy.distinct_rule_for(n))
+            pure = [total(1.01, "gumbel")] + [total(0.0, r) for r in ("gumbel", "rsd")]
+            assert chosen >= max(pure) - 1e-12, (trial, n, chosen, pure)
+            if n == 1:
+                assert chosen == pytest.approx(pure[0], abs=1e-12)
