@@ -1,7 +1,7 @@
 """THE sampling transform: temperature, top-k and top-p, applied identically to p (target) and q (draft).
 
 The decoder, the losses and the held-out evaluation that chooses checkpoints all call this module, so the
-distribution trained on is the one served (DESIGN.md: p and q "after the SAME temperature / top-k / top-p
+distribution trained on is the one served (docs/design.md: p and q "after the SAME temperature / top-k / top-p
 processing"). One filter, two views:
 
 - `probs(logits, temperature, top_k, top_p)`: probabilities for the decoder. Temperature 0 means greedy: one-hot

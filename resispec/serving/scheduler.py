@@ -1,4 +1,4 @@
-"""Continuous batching (DESIGN.md "Batched decoding and scheduling"): one thread owns the models and serves every
+"""Continuous batching (docs/design.md "Batched decoding and scheduling"): one thread owns the models and serves every
 request, admitting waiting ones and retiring finished or cancelled ones at step boundaries.
 
 Paths a request can take:
@@ -18,15 +18,13 @@ drafting than for AR steps at R rows; coming from AR, only below SWITCH_MARGIN (
 feeds the draft every token it skipped, so flipping back and forth costs), or below AGAINST_PLAN_MARGIN where the
 planner found that speculation does not pay at that batch size (the online model is noisy; the plan is a second
 opinion), and there it goes on drafting only while below AGAINST_PLAN_KEEP. Every pure step at every batch size
-feeds its mode's model, so a decision is not taken on a handful of steps (the design before compared adjacent steps
-of the two modes per batch-size bucket, and in a 32-request sweep a bucket decided on 1-3 such pairs), but the
-model decides at a batch-size bucket only once both modes have MIN_SAMPLES steps in it: until then the planner's
-plan decides there (drafting unless it planned none at that batch size), as it was measured there and a line
-through other sizes' steps is an extrapolation. To measure, the preferred mode is left for PROBE_STEPS steps, every
-WARMUP_EVERY-th step until the model is ready (from a batch size's first step; where the plan says not to speculate,
-after every EXPLORE_EVERY steps) and after every EXPLORE_EVERY steps at that batch size once it is (4x less often
-while the ratio is beyond CLEAR_MARGIN, or while the model and the plan agree that speculation does not pay: at 16
-rows on the tiny world the probes were most of the 7-8% of steps that drafted). Where the plan says not to
+feeds its mode's model, so a decision is not taken on a handful of steps, but the model decides at a batch-size
+bucket only once both modes have MIN_SAMPLES steps in it: until then the planner's plan decides there (drafting
+unless it planned none at that batch size), as it was measured there and a line through other sizes' steps is an
+extrapolation. To measure, the preferred mode is left for PROBE_STEPS steps, every WARMUP_EVERY-th step until the
+model is ready (from a batch size's first step; where the plan says not to speculate, after every EXPLORE_EVERY
+steps) and after every EXPLORE_EVERY steps at that batch size once it is (4x less often while the ratio is beyond
+CLEAR_MARGIN, or while the model and the plan agree that speculation does not pay). Where the plan says not to
 speculate, no drafting probe starts while the batch is in lockstep (equal requests admitted together;
 `in_lockstep`): its rows would accept different numbers of tokens and stay staggered. A drafting step right after
 steps with AR rows is not measured (it carries that catch-up). `cost_table()` shows per batch-size bucket the
@@ -42,9 +40,7 @@ Bounds: at most `max_batch_size` running requests; with `kv_budget` (tokens), a 
 holes rejected tree nodes leave until a repack), so the cache can never outgrow it; a request that alone exceeds it
 is refused (RequestTooLargeError -> 400). Newcomers are prefilled together between two steps, in one target forward
 (`add_many`) over at most `max_prefill_tokens` prompt tokens (at least one request); while others run, one such
-block per step boundary, so running streams stall for at most one prefill forward. (One newcomer per boundary, as
-before, staggered the rows: a wave of 16 clients whose requests reach the server over a few steps joined over 14
-steps, and a right-aligned cache makes every row attend over the longest row's columns.) A newcomer whose prompt is
+block per step boundary, so running streams stall for at most one prefill forward. A newcomer whose prompt is
 longer than `prefill_chunk_tokens` (0 = never) is prefilled in parts while others run (chunked prefill, as vLLM's):
 one part of at most that many tokens per step boundary (`prefill_part`, into caches of its own, outside the batch),
 and it joins with the last part. A long prompt then delays each running stream's next token by one part's forward,

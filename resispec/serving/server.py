@@ -26,7 +26,7 @@ AR_RULES = ("ar", "none")
 
 def serving_threads(server: ServerConfig, spare_core: bool = False) -> int:
     """Set torch's intra-op threads for serving (`server.num_threads`, else all cores, or all but one with
-    `spare_core`) -> the count. Measured on 2 cores, tiny world, 8 clients (recipes/vllm/README.md): on the HF
+    `spare_core`) -> the count. Measured on 2 cores, tiny world, 8 clients (docs/journal/vllm.md): on the HF
     forward the decode step's second thread waited on the event loop (1 thread was faster); on the decoder's own
     forward, whose step holds the interpreter far less, 2 threads gave 322 tok/s against 246 with 1."""
     import os
