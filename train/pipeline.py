@@ -1,9 +1,14 @@
 """The main job:  python train/pipeline.py [+recipe=NAME] [overrides]   (what `bash scripts/main.sh` runs)
 
-World (build or reuse) -> target regeneration (cached) -> distillation (forward KL by default) -> held-out
-acceptance before/after -> end-to-end speedup of the initial and the distilled draft vs AR. Outputs go to
-outputs/pipeline/<name>/<time>/{distill,bench}/. Every stage is the same library call its own script makes
-(train/pretrain.py, train/distill.py, serve/bench.py), so the stages can also be run one by one.
+Models (the tiny world built or reused; a real recipe's hub pair, or with `standin=true` its local stand-in) ->
+target regeneration (cached) -> distillation (forward KL by default) -> held-out acceptance before/after ->
+end-to-end speedup of the initial and the distilled draft vs AR -> the distilled draft exported for vLLM / SGLang.
+Outputs go to outputs/pipeline/<name>/<time>/{distill,bench,export}/. Every stage is the same library call its own
+script makes (train/pretrain.py, train/distill.py, serve/bench.py, train/export.py), so the stages can also be run
+one by one.
+
+  python train/pipeline.py                                  # the tiny world
+  python train/pipeline.py +recipe=llama3 standin=true      # a real recipe on its local stand-in (no download)
 """
 
 from __future__ import annotations
@@ -72,29 +77,46 @@ class StageClock:
 
 
 def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: dict | None = None) -> dict:
-    """Run world -> distill -> bench under `output_dir` (distill/ and bench/ sub-folders). Returns a summary."""
+    """Run models -> distill -> bench -> export under `output_dir` (distill/, bench/ and export/ sub-folders).
+    Returns a summary."""
     from resispec.models import cache_root, ensure_world, format_report, load_world
+    from resispec.models.export import ExportError, export_draft
+    from resispec.models.standin import format_standin, standin_report
     from resispec.serving.bench import run_bench
     from resispec.training import JOB_SECTIONS, DistillJob, distill, format_metrics
 
     out = Path(output_dir)
     uses_world = any(m.path.startswith("world:") for m in (cfg.target, cfg.draft))
+    standin = standin_report(
+        cfg.target.path
+    )  # set when standin=true swapped the hub pair (built in to_typed)
     cached = not uses_world or load_world(cfg.world) is not None
-    world_key = f"{cfg.name}/world_{'cached' if cached else 'build'}"
+    if uses_world:
+        models_key = f"{cfg.name}/world_{'cached' if cached else 'build'}"
+        models_title = f"world {cfg.world.name}: " + ("cached" if cached else "build (once per machine)")
+    elif standin is not None:
+        models_key = f"{cfg.name}/standin"
+        models_title = f"stand-in of {standin['target']} + {standin['draft']} and {standin['dataset']}: ready"
+    else:
+        models_key = f"{cfg.name}/models"
+        models_title = f"models {cfg.target.path} + {cfg.draft.path} (loaded by each stage)"
     clock = StageClock(
         cache_root(cfg.world) / "pipeline_times.json",
         [
-            (world_key, f"world {cfg.world.name}: " + ("cached" if cached else "build (once per machine)")),
+            (models_key, models_title),
             (f"{cfg.name}/distill", "regenerate with the target (cached) and distill the draft"),
             (f"{cfg.name}/bench", "bench: AR vs every rule x tree, initial and distilled draft"),
+            (f"{cfg.name}/export", "export the distilled draft for vLLM / SGLang"),
         ],
-        defaults={world_key: 1.0} if cached else None,
+        defaults={models_key: 1.0} if cached else None,
     )
 
-    clock.start(world_key)
+    clock.start(models_key)
     if uses_world:
         print(format_report(ensure_world(cfg.world).report))  # losses, perplexities, ms/token of the pair
-    clock.stop(world_key)
+    elif standin is not None:
+        print(format_standin(standin))
+    clock.stop(models_key)
 
     clock.start(f"{cfg.name}/distill")
     sections = {k: getattr(cfg, k) for k in JOB_SECTIONS}
@@ -133,15 +155,26 @@ def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: d
         run_name=cfg.name,
     )
     clock.stop(f"{cfg.name}/bench")
+
+    # the draft/ folder is plain HF (LoRA merged); the export checks it against the target and writes SERVE.md
+    clock.start(f"{cfg.name}/export")
+    try:
+        exported = export_draft(str(result.draft_dir), cfg.target.path, out / "export", world=cfg.world)
+        export_line = f"exported ({exported.checks['backend']}): {exported.out_dir / 'SERVE.md'}"
+    except ExportError as err:  # e.g. the micro world's head_dim 16, which no vLLM CPU kernel takes
+        exported, export_line = None, f"not exported: {err}"
+    clock.stop(f"{cfg.name}/export")
     timings = {key.split("/")[-1]: seconds for key, seconds in clock.timings.items()}
 
     print(f"\ndistilled draft: {result.draft_dir}")
+    print(export_line)
     print(f"reports: {bench_dir / 'report.md'}, {result.output_dir / 'metrics.json'}")
     print("stage times: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items()))
     return {
         "distill_dir": str(result.output_dir),
         "draft_dir": str(result.draft_dir),
         "bench_dir": str(bench_dir),
+        "export_dir": str(exported.out_dir) if exported is not None else None,
         "timings": timings,
         "num_bench_rows": len(rows),
     }

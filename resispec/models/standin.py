@@ -564,3 +564,31 @@ def apply_standin(cfg):
         draft=replace(cfg.draft, path=str(paths.draft_dir)),
         data=replace(cfg.data, source=str(paths.data_dir)),
     )
+
+
+def standin_report(model_path: str) -> dict | None:
+    """The build report of the stand-in a model folder belongs to (target/ or draft/ of a stand-in), else None."""
+    root = Path(model_path).expanduser().parent
+    report = root / "report.json"
+    if not root.name.startswith("standin-") or not report.is_file():
+        return None
+    return json.loads(report.read_text())
+
+
+def format_standin(report: dict) -> str:
+    """The stand-in's report as a few lines: what it stands in for, its shapes and where it lives."""
+    lines = [
+        f"stand-in ({report['family']}) of {report['target']} + {report['draft']} and {report['dataset']}: "
+        f"{report['folder']}, built in {report['build_seconds']:.0f} s",
+        f"  vocabulary {report['vocab_size']:,} (tokenizer {report['tokenizer_len']:,}: {report['bpe_tokens']:,} "
+        "BPE tokens trained here, filler, the real special tokens at their ids)",
+    ]
+    for role in ("target", "draft"):
+        c = report[f"{role}_config"]
+        lines.append(
+            f"  {role}: {report[f'{role}_params'] / 1e6:.1f}M params, hidden {c['hidden_size']}, "
+            f"{c['num_hidden_layers']} layers, {c['num_attention_heads']} heads / {c['num_key_value_heads']} kv, "
+            f"head_dim {c['head_dim']}"
+        )
+    lines.append("  data: " + ", ".join(f"{s} {n} rows" for s, n in report["rows"].items()))
+    return "\n".join(lines)

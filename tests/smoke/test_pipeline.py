@@ -40,7 +40,7 @@ def test_pipeline_runs_every_stage_on_the_micro_world(micro_world, tmp_path):
     out = proc.stdout
     # every stage announces itself with the job's time so far; the world was cached by the fixture
     for i, title in enumerate(("world micro: cached", "regenerate", "bench"), start=1):
-        assert f"== [{i}/3] " in out and title in out, out[-3000:]
+        assert f"== [{i}/4] " in out and title in out, out[-3000:]
     assert "stage times: world" in out
     assert (run_dir / "bench" / "report.md").exists()
     rows = json.loads((run_dir / "bench" / "report.json").read_text())["rows"]
