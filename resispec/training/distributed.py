@@ -32,10 +32,23 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
 
 
-def make_accelerator(cpu: bool, mixed_precision: str, grad_accum: int):
-    """An `Accelerator` for this launch (see the module docstring). Prints what it changed on the main process."""
+def make_accelerator(
+    cpu: bool,
+    mixed_precision: str,
+    grad_accum: int,
+    batch_size: int = 1,
+    grad_clip: float = 0.0,
+    timeout_minutes: float | None = None,
+):
+    """An `Accelerator` for this launch (see the module docstring). Prints what it changed on the main process.
+
+    batch_size / grad_clip: DeepSpeed's micro-batch and clipping (`deepspeed_batch_settings`); timeout_minutes:
+    the process group's collective timeout (None: torch's default, 10 min for NCCL), long enough for the slowest
+    rank's share of regeneration or of the cached target build while the others wait."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
     fsdp, deepspeed = _flag("ACCELERATE_USE_FSDP"), _flag("ACCELERATE_USE_DEEPSPEED")
     notes = []
@@ -49,9 +62,25 @@ def make_accelerator(cpu: bool, mixed_precision: str, grad_accum: int):
         notes.append(
             "fsdp_sync_module_states off: FSDP refuses it on CPU (every process loaded the same weights)"
         )
-    accelerator = Accelerator(
-        cpu=cpu, mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum
+    handlers = (
+        []
+        if timeout_minutes is None
+        else [InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))]
     )
+    accelerator = Accelerator(
+        cpu=cpu,
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=grad_accum,
+        kwargs_handlers=handlers,
+    )
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        notes += deepspeed_batch_settings(
+            accelerator.state.deepspeed_plugin.deepspeed_config,
+            batch_size,
+            grad_accum,
+            accelerator.num_processes,
+            grad_clip,
+        )
     if fsdp and accelerator.distributed_type == DistributedType.MULTI_CPU:
         _enable_cpu_fsdp(accelerator)
         notes.append(
@@ -61,6 +90,28 @@ def make_accelerator(cpu: bool, mixed_precision: str, grad_accum: int):
         accelerator.print(f"[distributed] {note}")
     check_launch(accelerator, fsdp=fsdp, deepspeed=deepspeed)
     return accelerator
+
+
+def deepspeed_batch_settings(
+    config: dict, batch_size: int, grad_accum: int, num_processes: int, grad_clip: float
+) -> list[str]:
+    """Fill a DeepSpeed config (the plugin's `deepspeed_config`, in place) from the run's settings: the loop
+    prepares no dataloader, so accelerate cannot resolve `train_micro_batch_size_per_gpu: auto` and `prepare`
+    refuses. Micro-batch = train.batch_size, accumulation = train.grad_accum, the global batch their product over
+    the processes, clipping = optim.grad_clip (DeepSpeed clips inside its engine). Returns what it changed."""
+    want = {
+        "train_micro_batch_size_per_gpu": int(batch_size),
+        "gradient_accumulation_steps": int(grad_accum),
+        "train_batch_size": int(batch_size) * int(grad_accum) * int(num_processes),
+        "gradient_clipping": float(grad_clip),
+    }
+    notes = []
+    for key, value in want.items():
+        if config.get(key) != value:
+            if config.get(key) not in (None, "auto"):
+                notes.append(f"DeepSpeed {key} {config[key]} -> {value} (from the run's config)")
+            config[key] = value
+    return notes
 
 
 def _enable_cpu_fsdp(accelerator) -> None:

@@ -296,7 +296,14 @@ def _make_accelerator(job: DistillJob):
     precision = job.train.mixed_precision
     if precision == "auto":
         precision = resolve_mixed_precision("auto", "cpu" if on_cpu else "cuda")
-    return make_accelerator(on_cpu, precision, max(1, job.train.grad_accum))
+    return make_accelerator(
+        on_cpu,
+        precision,
+        max(1, job.train.grad_accum),
+        batch_size=job.train.batch_size,
+        grad_clip=job.optim.grad_clip,
+        timeout_minutes=job.train.process_group_timeout_min,
+    )
 
 
 def _resolve_run_dir(accelerator, job: DistillJob) -> Path:

@@ -147,3 +147,80 @@ def test_qwen3_recipe_turns_thinking_off_in_prompts_and_server(monkeypatch):
         finally:
             st.worker.close()
         assert text.endswith("</think>") != thinks, text
+
+
+# ---------------------------------------------------------------- 3. DeepSpeed's batch settings
+
+
+@pytest.mark.parametrize("name", ["deepspeed_zero2", "deepspeed_zero3"])
+def test_deepspeed_configs_get_the_runs_batch_before_prepare(name, monkeypatch):
+    """Before: train_micro_batch_size_per_gpu stayed `auto` and prepare(draft, optimizer) refused (no dataloader)."""
+    import yaml
+    from accelerate.utils import DeepSpeedPlugin
+
+    from resispec.training.distributed import deepspeed_batch_settings
+
+    monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", raising=False)
+    shipped = yaml.safe_load((ROOT / "recipes" / "accelerate" / f"{name}.yaml").read_text())
+    plugin = DeepSpeedPlugin(**shipped["deepspeed_config"])  # what accelerate launch builds from the file
+    assert plugin.is_auto("train_micro_batch_size_per_gpu")  # what prepare refused
+    deepspeed_batch_settings(plugin.deepspeed_config, 2, 16, 8, 0.5)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        assert not plugin.is_auto(key), key
+    assert plugin.get_value("train_micro_batch_size_per_gpu") == 2
+    assert plugin.get_value("gradient_accumulation_steps") == 16
+    assert plugin.get_value("train_batch_size") == 2 * 16 * 8
+    assert plugin.get_value("gradient_clipping") == 0.5
+
+
+DEEPSPEED_PREPARE = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from resispec.training.distributed import make_accelerator
+acc = make_accelerator(cpu=False, mixed_precision="no", grad_accum=2, batch_size=2, grad_clip=1.0)
+m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2))
+m, opt = acc.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-3))
+x = torch.randint(0, 64, (2, 8))
+for _ in range(2):
+    with acc.accumulate(m):
+        acc.backward(m(input_ids=x, labels=x).loss); opt.step(); opt.zero_grad()
+print("prepared", acc.distributed_type.value, type(m).__name__)
+"""
+
+
+@pytest.mark.slow  # ~25 s each (deepspeed's import and its CPU comm op build)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_prepare_runs_on_one_cpu_process(stage, tmp_path):
+    """With deepspeed installed (the `deepspeed` extra): one CPU process prepares the draft and its optimizer
+    under ZeRO-`stage` and steps; ~20 s each, skipped without deepspeed."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": str(stage),
+        "ACCELERATE_GRADIENT_CLIPPING": "1.0",
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
+        "DS_ACCELERATOR": "cpu",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(29500 + os.getpid() % 1000 + stage),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", DEEPSPEED_PREPARE],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "prepared DEEPSPEED DeepSpeedEngine" in out.stdout
