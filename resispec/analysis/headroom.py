@@ -1,7 +1,7 @@
 """Headroom: per-node acceptance of every verification rule on a real (target, draft) pair, against the bounds.
 
     python serve/headroom.py +recipe=debug                                  # micro world, a minute
-    python serve/headroom.py +recipe=tiny headroom.positions=200            # the tiny world (recipes/tiny/README.md)
+    python serve/headroom.py +recipe=tiny headroom.positions=200            # the tiny world (docs/headroom.md)
 
 Options are the `headroom` config group (conf/headroom/default.yaml, resispec/analysis/config.py); any recipe's
 target/draft pair can be measured. Steps:

@@ -1,35 +1,20 @@
 """The decoder's own forward for Llama-family causal LMs: the HF model's weights, fewer ops, no cat per step.
 
-Why (measured on the tiny world, 2-core EPYC, fp32; recipes/tiny/README.md "Decoder speed"): the HF forward of the
-12-layer target costs 13.5 ms for one new token and 19.4 ms for the 5 tokens of a [1,1,1,1] verify step. Of that:
-  - the module call stack, the mask builder and `DynamicCache.update`'s torch.cat of the whole cache (every layer,
-    every step) are ~3-4 ms of host work per forward;
-  - MKL's sgemm for 2-16 rows of x @ W^T is 1.3-1.6x slower than for one row, while W @ x^T (the same product, the
-    weight as the left operand) costs about what one row does. The weights stream from memory either way (59 MB
-    for the target against a 32 MB L3), so a few extra rows should be almost free, and this way they are. Past 8
-    rows, W @ x^T has a cliff of its own at row counts just short of a multiple of 8: the target's linears cost
-    16.5 ms for 15 rows against 10 ms for 16 (12 layers, cold weights, medians of 7 interleaved rounds), so 13-15,
-    21-23, ... rows are padded with zero rows (AR steps of the batched decoder at 13-15 rows: 10-12% faster).
-    Weights under 512 KB (`_WXT_MIN_BYTES`) skip this form: their product is all per-call cost, which the form's
-    extra ops (repeat, transposes, slice) raise (37-51 us against 4-10 us for F.linear, one row, 96- to 256-wide).
-    Interleaved, 8-14 rounds (2026-12-04): the tiny draft's forward 9-27% faster at 1-8 rows, the target's (whose
-    o_proj is the one weight this small) 6-7% at one row and unchanged (+-1.5%) at 5-22 rows.
+Why: on CPU at these sizes the HF forward spends much of a step on host work, and on matmul shapes that suit one
+row but not the 2-32 rows of a tree verify or a batch (the measurements: docs/journal/docstrings.md). So:
+  - no module call stack, no mask builder, no torch.cat of the whole cache per step (`DynamicCache.update`);
+  - a linear multiplies as W @ x^T (the weight as the left operand), which costs about one row's time for a few
+    rows where x @ W^T does not; row counts just short of a multiple of 8 are padded with zero rows (W @ x^T has a
+    cliff there). Weights under `_WXT_MIN_BYTES` skip this form: their product is all per-call cost, which the
+    form's extra ops (repeat, transposes, slice) raise;
   - a float32 linear whose weight is 512 KB or more multiplies by a copy of the weight packed in oneDNN's blocked
-    layout (`torch.ops.mkldnn`, what inductor's CPU freezing and vLLM's CPU backend use): MKL and W @ x^T repack
-    the weight into blocks on every call, a cost a 25-node tree verify pays for every linear. Target forward over
-    a 64-token prefix, packed against not, medians of 6 interleaved rounds (2026-12-04): 1 row 0.94x, 2-4 rows
-    0.91-1.04x, 5 rows 0.96x, 6 0.90x, 12 0.85x, 24 0.92x, 25 0.84x, 32 0.88x. Decoder, 6 prompts x 48 tokens,
-    interleaved: resispec [4,2,1,1] +22% tok/s at T = 0 and +12% at T = 1 (4 rounds), AR +7% and chain [1,1,1,1]
-    unchanged at T = 1 (10 rounds). Smaller weights (the tiny draft's but its head) lose to oneDNN's per-call
-    cost, so they are not packed.
-  - on CPU a small matmul costs ~25 us of dispatch and layout around it: q/k/v and gate/up are multiplied as one
-    fused weight each (copies, rebuilt when the model's weights change; only while the copies stay under
-    FUSE_MAX_BYTES, since for a large model the weights' streaming dominates and the copy would cost memory for
-    nothing);
-  - the W @ x^T product leaves the rows as the fastest dim; SDPA's CPU flash kernel needs a contiguous last dim and
-    otherwise falls back to its math path (440 us against 145 us per layer at 16 rows), so q is made contiguous.
-    These two together: batched AR steps 8-11% more tokens/s from 1 to 16 rows, drafting steps 4-10% (tiny world,
-    one process, the two versions' forwards alternating every 3 steps, 40 rounds).
+    layout (`torch.ops.mkldnn`, what inductor's CPU freezing and vLLM's CPU backend use), so it is not repacked on
+    every call; smaller weights lose to oneDNN's per-call cost and are not packed;
+  - q/k/v and gate/up are multiplied as one fused weight each (copies, rebuilt when the model's weights change; only
+    while the copies stay under FUSE_MAX_BYTES, since for a large model the weights' streaming dominates and the
+    copy would cost memory for nothing);
+  - q is made contiguous: the W @ x^T product leaves the rows as the fastest dim, and SDPA's CPU flash kernel
+    otherwise falls back to its math path.
 Here: one RMSNorm op, the rotary table from the model's own `rotary_emb`, SDPA with the decoder's 4D mask, and K/V
 appended IN PLACE into a buffer with spare rows and columns (`kv_cache.append_kv`: the cache layer's `keys` /
 `values` stay views of it, which every edit of resispec.decoding.kv_cache, crop, compaction, a row joining or

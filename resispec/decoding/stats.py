@@ -1,4 +1,4 @@
-"""Decoding statistics: the quantities DESIGN.md asks for (tau, per-depth acceptance, c) and vLLM's spec-decode
+"""Decoding statistics: the quantities docs/design.md asks for (tau, per-depth acceptance, c) and vLLM's spec-decode
 counters (num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_position)."""
 
 from __future__ import annotations
