@@ -1,13 +1,16 @@
 """The exact speculative tree decoder (batch 1): draft a tree, verify it in one target forward, accept with a rule.
 
-One step, with L committed tokens (the last one, the root, is not yet in the target cache):
+One step (`SpeculativeDecoder._spec_steps`), with L committed tokens (the last one, the root, is not yet in the
+target cache):
   draft:  one draft forward per depth d = 0..D-1 (depth 0 = the pending committed tokens, deeper ones = the whole
           tree level at once under a tree mask); the rule proposes each node's draws from q; repeated draws merge.
   verify: ONE target forward over [root, all tree nodes] with the tree mask; position = L - 1 + depth.
-  accept: per level, the rule verifies every node of that level against p (batched; only the walked path is
-          used), then one host sync; walk from the root, emit the accepted path plus one correction/bonus token.
+  accept: walk from the root, the rule verifying only the nodes the walk reaches (a run of single-child nodes in
+          one call; resispec/decoding/walk.py); emit the accepted path plus one correction/bonus token.
   cache:  both caches are compacted to the accepted path (gather + truncate, never re-encoding); when the whole
           path is accepted, the deepest token (never fed to the draft) is fed with the next step's depth-0 forward.
+The readable reference step (whole levels verified, every node's p built) is the exactness oracle of the tests:
+tests/oracle_decoder.py.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -26,32 +28,25 @@ from resispec.decoding.kv_cache import (
     new_cache,
     tree_attention_mask,
 )
-from resispec.decoding.lean import advance_caches, lean_spec_steps, propose_at, row_rule
 from resispec.decoding.stats import DecodeStats
-from resispec.decoding.stopping import StopChecker, make_stop_string_checker, normalize_eos
+from resispec.decoding.stopping import StopChecker, model_eos, normalize_eos, stop_checkers
 from resispec.decoding.tree import DraftTree, max_tree_nodes, parse_tree
 from resispec.decoding.vocab import check_tokenizers, resolve_vocab_size
+from resispec.decoding.walk import (
+    advance_caches,
+    propose_at,
+    resolve_rule,
+    row_rule,
+    walk_greedy,
+    walk_sampled,
+)
 from resispec.sampling import is_greedy, probs, sample_at
-from resispec.verify.greedy import GreedyRule
-from resispec.verify.registry import VERIFIERS
 
 
 @dataclass
 class DecodeOutput:
     sequences: torch.Tensor  # [1, L] prompt + generated
     stats: DecodeStats
-
-
-GREEDY_TOPK = GreedyRule()  # the temperature-0 rule (resispec/verify/greedy.py)
-
-
-def _resolve_rule(rule):
-    """A rule name (key of resispec.verify.VERIFIERS) or any object with scheme/propose/verify."""
-    if not isinstance(rule, str):
-        return rule
-    if rule not in VERIFIERS:
-        raise KeyError(f"unknown verification rule {rule!r}; known: {sorted(VERIFIERS)}")
-    return VERIFIERS[rule]
 
 
 class SpeculativeDecoder:
@@ -65,11 +60,9 @@ class SpeculativeDecoder:
         the model's weights, fewer ops, K/V appended in place); False, or an unsupported architecture, runs the HF
         forward.
     timing: synchronise CUDA around phases so draft/target seconds are exact (costs a little on GPU).
-    lean: run the lean step (resispec/decoding/lean.py: less host work per step, same tokens at temperature 0, same
-        law otherwise); False runs the reference step `_spec_steps` below.
     greedy_topk: at temperature 0, draft the top-b tokens per node and verify by argmax matching (every exact
-        rule reduces to that at temperature 0; see resispec/verify/greedy.py). False runs the rule itself on one-hot p and q
-        (the reference path; for i.i.d. rules the tree then collapses to a chain).
+        rule reduces to that at temperature 0; see resispec/verify/greedy.py). False runs the rule itself on one-hot
+        p and q (for i.i.d. rules the tree then collapses to a chain).
     """
 
     def __init__(
@@ -84,7 +77,6 @@ class SpeculativeDecoder:
         compile: bool = False,
         timing: bool = True,
         greedy_topk: bool = True,
-        lean: bool = True,
         fast_forward: bool = True,
     ) -> None:
         check_tokenizers(tokenizer_target, tokenizer_draft)
@@ -92,7 +84,7 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_target
         self.vocab_size = resolve_vocab_size(target, draft, self.tokenizer)
         self.rule_name = rule if isinstance(rule, str) else type(rule).__name__
-        self.rule = _resolve_rule(rule)
+        self.rule = resolve_rule(rule)
         self.shape = parse_tree(list(tree))
         self.max_nodes = max_tree_nodes(self.shape)
         self.device = next(target.parameters()).device
@@ -107,7 +99,7 @@ class SpeculativeDecoder:
                 )
         self.timing = timing
         self.greedy_topk = greedy_topk
-        self.lean = lean
+        self._t_dtype, self._d_dtype = target.dtype, draft.dtype  # read once: .dtype walks the parameters
         self._target_fwd: Callable = make_forward(target) if fast_forward else target
         self._draft_fwd: Callable = make_forward(draft) if fast_forward else draft
         if compile and self.device.type == "cuda":
@@ -116,6 +108,16 @@ class SpeculativeDecoder:
         self.last_stats: DecodeStats | None = None
         # test hook: called after each step's cache compaction with (target_cache, draft_cache, committed_ids)
         self.after_step: Callable | None = None
+
+    @property
+    def target_forward(self) -> Callable:
+        """The target's forward the decoder runs (the fast forward, the HF model or its compiled forward)."""
+        return self._target_fwd
+
+    @property
+    def draft_forward(self) -> Callable:
+        """The draft's forward the decoder runs."""
+        return self._draft_fwd
 
     # ------------------------------------------------------------------ public API
     @torch.inference_mode()
@@ -149,17 +151,10 @@ class SpeculativeDecoder:
         """
         prompt = self._prompt_list(input_ids)
         if eos_token_id is None:
-            eos_token_id = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
-        checkers = [c for c in (stop_checker,) if c is not None]
-        if stop:
-            if self.tokenizer is None:
-                raise ValueError("stop strings need SpeculativeDecoder(..., tokenizer=...) or a stop_checker")
-            checkers.append(make_stop_string_checker(self.tokenizer, stop))
+            eos_token_id = model_eos(self.target)
+        checkers = stop_checkers(self.tokenizer, stop, stop_checker, type(self).__name__)
         settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        if not speculative:
-            steps = self._ar_steps
-        else:  # the lean step (decoding/lean.py) by default; `_spec_steps` is the readable reference
-            steps = partial(lean_spec_steps, self) if self.lean else self._spec_steps
+        steps = self._spec_steps if speculative else self._ar_steps
         stats = DecodeStats(
             accepted_per_position=[0] * len(self.shape), reached_per_position=[0] * len(self.shape)
         )
@@ -266,21 +261,14 @@ class SpeculativeDecoder:
             pos += 1
             yield [root]
 
-    # ------------------------------------------------------------------ speculative steps
+    # ------------------------------------------------------------------ the speculative step
     @torch.inference_mode()
     def _spec_steps(self, prompt, settings, generator, stats, max_new_tokens) -> Iterator[list[int]]:
-        dev, rule, shape = self.device, row_rule(self.rule, generator), self.shape
-        depth_max = len(shape)
-        greedy = is_greedy(settings["temperature"])
-        q_settings = settings
-        if greedy and self.greedy_topk:
-            # temperature 0: every exact rule reduces to "emit argmax p; accepted iff it is a child", so the best tree
-            # drafts each node's top-b draft tokens (ranked by the draft's softmax) and skips the rule's arithmetic
-            rule, q_settings = GREEDY_TOPK, dict(temperature=1.0, top_k=0, top_p=1.0)
+        """The speculative step (module docstring), step after step: yields each step's emitted run."""
+        rule = row_rule(self.rule, generator)
+        greedy = is_greedy(settings["temperature"]) and self.greedy_topk
         tcache = self._prefill_target(prompt, stats)
         dcache = new_cache(self.draft)
-        mask_dtype = self.target.dtype
-        draft_mask_dtype = self.draft.dtype
         num_committed = len(prompt)  # L; the root prompt[-1] is the last committed token
         pending = list(prompt)  # committed tokens not yet in the draft cache (the draft prefill is folded in)
         root = prompt[-1]
@@ -290,57 +278,36 @@ class SpeculativeDecoder:
             # ---- draft phase: one forward per depth
             self._sync()
             t0 = time.perf_counter()
-            tree = DraftTree(root, self.max_nodes)
-            proposals = []
-            fed_depth = 0  # deepest level the draft has processed (its cache holds levels 1..fed_depth)
             # never draft deeper than can be emitted: with r tokens left, r - 1 drafts plus the bonus token
-            depth_lim = min(depth_max, remaining - 1)
-            if depth_lim > 0:
-                start = cache_length(dcache)
-                pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
-                ids = torch.tensor([pending], device=dev)
-                logits = self._draft_forward(stats, ids, dcache, pos, logits_to_keep=1)  # [1, 1, V]
-                q = self._probs(logits[0], q_settings)  # [1, V]
-                for depth in range(1, depth_lim + 1):
-                    proposal = propose_at(rule, q, shape[depth - 1], generator, num_committed - 1 + depth)
-                    level = tree.add_level(proposal.token_ids.tolist())  # one host sync per depth
-                    if len(level) == 0:
-                        break
-                    proposals.append(proposal)
-                    if depth == depth_lim:
-                        break
-                    block = tree.mask(level, range(1, level.stop)).to(dev)  # [n_d, nodes so far]
-                    mask = tree_attention_mask(num_committed, block, draft_mask_dtype)
-                    ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
-                    pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
-                    logits = self._draft_forward(stats, ids, dcache, pos, mask)  # [1, n_d, V]
-                    q = self._probs(logits[0], q_settings)  # [n_d, V]
-                    fed_depth = depth
+            depth_lim = min(len(self.shape), remaining - 1)
+            tree, proposals, fed_depth = self._draft_tree(
+                root, pending, dcache, num_committed, depth_lim, rule, settings, generator, greedy, stats
+            )
             self._sync()
             t1 = time.perf_counter()
             stats.draft_seconds += t1 - t0
             stats.draft_forwards += 1 + fed_depth if depth_lim > 0 else 0
-            depth_eff = tree.depth  # < depth_max only when a whole level had no draws
 
             # ---- verify phase: ONE target forward over the root and every node
-            num_nodes = tree.num_nodes
-            all_nodes = range(0, num_nodes)
-            mask = tree_attention_mask(num_committed - 1, tree.mask(all_nodes, all_nodes).to(dev), mask_dtype)
-            ids = torch.tensor([tree.tokens], device=dev)
-            pos = torch.tensor([tree.depths], device=dev) + (num_committed - 1)
-            logits = forward_logits(self._target_fwd, ids, tcache, pos, mask)  # [1, N+1, V]
-            p = self._probs(logits[0], settings)  # [N+1, V]
+            logits = self._verify_tree(tree, tcache, num_committed)  # [N+1, V]
+            if greedy:
+                best = logits.argmax(dim=-1).tolist()  # the one host sync of a greedy step
             self._sync()
             t2 = time.perf_counter()
             stats.target_seconds += t2 - t1
             stats.target_forwards += 1
 
-            # ---- accept phase: walk from the root, verifying a level only when the walk reaches it
-            run, accepted = self._walk(rule, tree, p, proposals, generator, greedy, num_committed)
-            stats.accept_seconds += time.perf_counter() - t2
+            # ---- accept phase: the walk from the root (resispec/decoding/walk.py)
+            if greedy:
+                run, accepted = walk_greedy(tree, best)
+            else:
 
-            num_acc = len(accepted)
-            stats.record_step(num_nodes, num_acc, depth_eff)
+                def p_at(nodes: list[int], logits: torch.Tensor = logits) -> torch.Tensor:
+                    return self._probs(logits[nodes], settings)  # [len(nodes), V]
+
+                run, accepted = walk_sampled(rule, tree, p_at, proposals, generator, num_committed)
+            stats.accept_seconds += time.perf_counter() - t2
+            stats.record_step(tree.num_nodes, len(accepted), tree.depth)
             yield run  # the consumer closes this generator at a stop, so no cache work is wasted after it
 
             # ---- compact both caches to the accepted path
@@ -348,38 +315,58 @@ class SpeculativeDecoder:
                 tcache, dcache, num_committed, tree, accepted, fed_depth, depth_lim > 0, pending, run
             )
             remaining -= len(run)
-            num_committed += num_acc + 1
+            num_committed += len(accepted) + 1
             root = run[-1]
             if self.after_step is not None:
                 committed.extend(run)
                 self.after_step(tcache, dcache, committed)
 
-    @staticmethod
-    def _walk(
-        rule, tree: DraftTree, p: torch.Tensor, proposals: list, generator, greedy: bool, position: int
-    ):
-        """Follow the verified path from the root -> (emitted run, accepted node ids).
+    def _draft_tree(
+        self, root, pending, dcache, num_committed, depth_lim, rule, settings, generator, greedy, stats
+    ) -> tuple[DraftTree, list, int]:
+        """The draft phase: the draft's forward over the `pending` committed tokens, then one forward per tree level
+        (under the tree mask), each node's children drawn from q by the rule (greedy: the top-b of the draft's
+        logits) -> (tree, the rule's proposal per depth, the deepest level the draft's cache now holds)."""
+        dev, vocab = self.device, self.vocab_size
+        tree = DraftTree(root, self.max_nodes)
+        proposals: list = []
+        fed_depth = 0  # deepest level the draft has processed (its cache holds levels 1..fed_depth)
+        if depth_lim <= 0:
+            return tree, proposals, fed_depth
+        start = cache_length(dcache)
+        pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
+        ids = torch.tensor([pending], device=dev)
+        logits = self._draft_forward(stats, ids, dcache, pos, logits_to_keep=1)[0, :, :vocab]  # [1, V]
+        for depth in range(1, depth_lim + 1):
+            width = self.shape[depth - 1]
+            if greedy:  # top-b of the draft's logits = top-b of its softmax
+                draws = torch.topk(logits, min(width, vocab), dim=-1).indices.tolist()
+            else:
+                q = self._probs(logits, settings)
+                proposal = propose_at(rule, q, width, generator, num_committed - 1 + depth)
+                proposals.append(proposal)
+                draws = proposal.token_ids.tolist()  # one host sync per depth
+            level = tree.add_level(draws)
+            if len(level) == 0:
+                if proposals:
+                    proposals.pop()
+                break
+            if depth == depth_lim:
+                break
+            block = tree.mask(level, range(1, level.stop))  # [n_d, nodes so far]
+            mask = tree_attention_mask(num_committed, block.to(dev), self._d_dtype)
+            ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
+            pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
+            logits = self._draft_forward(stats, ids, dcache, pos, mask)[0, :, :vocab]  # [n_d, V]
+            fed_depth = depth
+        return tree, proposals, fed_depth
 
-        p [N+1, V] is the target distribution at every node. The rule verifies a whole level in one batched call
-        (the rows off the path use their own randomness and are ignored, which keeps the path exact); levels past
-        the first rejection are never verified. One host sync per level reached. position: the absolute position
-        of the root's children (a SeedStream's bonus token is keyed by its position)."""
-        node, run, accepted = 0, [], []
-        for depth in range(1, tree.depth + 1):
-            parents = tree.level(depth - 1)
-            token, slot = rule.verify(p[parents.start : parents.stop], proposals[depth - 1], generator)
-            i = node - parents.start
-            tok, hit = torch.stack([token[i], slot[i]]).tolist()
-            run.append(tok)
-            if hit < 0:  # rejected: `tok` is the correction token
-                return run, accepted
-            child = tree.children[node].get(tok)
-            if child is None:
-                raise RuntimeError(f"rule accepted token {tok} that is not a child of node {node}")
-            node = child
-            accepted.append(node)
-        # every draft on the path was accepted: the bonus token comes from p at the leaf
-        leaf_p = p[node : node + 1]  # [1, V]
-        bonus = leaf_p.argmax(dim=-1) if greedy else sample_at(leaf_p, generator, position + len(accepted))
-        run.append(int(bonus.item()))
-        return run, accepted
+    def _verify_tree(self, tree: DraftTree, tcache, num_committed: int) -> torch.Tensor:
+        """ONE target forward over the root and every node of `tree` (tree mask; position = L - 1 + depth) ->
+        logits [N+1, V] (the vocabulary cut to the pair's)."""
+        dev = self.device
+        nodes = range(0, tree.num_nodes)
+        mask = tree_attention_mask(num_committed - 1, tree.mask(nodes, nodes).to(dev), self._t_dtype)
+        ids = torch.tensor([tree.tokens], device=dev)
+        pos = torch.tensor([tree.depths], device=dev) + (num_committed - 1)
+        return forward_logits(self._target_fwd, ids, tcache, pos, mask)[0, :, : self.vocab_size]

@@ -32,3 +32,21 @@ def make_stop_string_checker(tokenizer, stop: str | Sequence[str]) -> StopChecke
         return any(s in text for s in stops)
 
     return check
+
+
+def stop_checkers(
+    tokenizer, stop: str | Sequence[str] | None, stop_checker: StopChecker | None, owner: str
+) -> list[StopChecker]:
+    """A generation's checkers: `stop_checker`, and for `stop` strings one on the decoded text (needs the
+    tokenizer; `owner`, the decoder's class name, is named in the error without one)."""
+    checkers = [c for c in (stop_checker,) if c is not None]
+    if stop:
+        if tokenizer is None:
+            raise ValueError(f"stop strings need {owner}(..., tokenizer=...) or a stop_checker")
+        checkers.append(make_stop_string_checker(tokenizer, stop))
+    return checkers
+
+
+def model_eos(model) -> int | list[int] | None:
+    """The EOS id(s) of a model's generation_config (None when it has none)."""
+    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)

@@ -107,8 +107,8 @@ class BenchConfig:
     # device's measured costs and the rule's calibrated acceptance; the report shows predicted vs measured
     plan_rules: list[str] = field(default_factory=lambda: ["resispec", "resispec_auto"])
     plan_calibration_prompts: int = 4  # validation prompts (+ the target's continuations) for the calibration
-    # also time the readable reference step (SpeculativeDecoder(lean=False)) for every rule x tree, interleaved:
-    # the lean step's before/after in one run ("ref[...]" rows)
+    # also time the decoder on the HF forward (fast_forward=False) for every rule x tree, interleaved: the fast
+    # forward's before/after in one run ("ref[...]" rows; the reference step itself is tests/oracle_decoder.py)
     reference_step: bool = False
     # time a random-weight pair shaped like the tiny world (no built world, random prompts): speed only, tau is noise
     random_pair: bool = False

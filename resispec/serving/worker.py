@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
 from resispec.sampling import SeedStream
 from resispec.serving.scheduler import QueueFullError, RequestTooLargeError, Scheduler
 
@@ -111,8 +112,6 @@ class DecoderEngine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.batched = None
         if max_batch_size > 1:
-            from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
-
             batched = BatchedSpeculativeDecoder if speculative else BatchedDecoder
             self.batched = batched.from_decoder(decoder)
             self.batched.enable_prefix_cache(prefix_cache_tokens)

@@ -446,7 +446,7 @@ def test_rows_prefilled_together_equal_rows_added_one_by_one(setup, speculative,
     """add_many prefills all newcomers in ONE forward (left-padded and masked where the prompts' lengths differ, a
     1-token prompt among them): each row's cache holds what its own prefill would (within float error), and every
     row then decodes as it would alone: greedy rows their greedy tokens, a seeded sampled row the same tokens."""
-    from resispec.decoding.batch import _prefill
+    from resispec.decoding.batch_rows import prefill_caches
 
     target, ar, prompts = setup
     if lengths == "equal":
@@ -461,9 +461,9 @@ def test_rows_prefilled_together_equal_rows_added_one_by_one(setup, speculative,
     # the caches: together against one by one, on the decoder's forward and on the HF forward (4D additive mask)
     for forward in (bs._target_fwd, target):
         rows = [bs._new_row(p, **s) for p, s in zip(prompts, settings, strict=True)]
-        together = _prefill(forward, target, rows, "target")
+        together = prefill_caches(forward, target, rows, "target")
         for row, cache in zip(rows, together, strict=True):
-            (alone,) = _prefill(bs._target_fwd, target, [row], "target")
+            (alone,) = prefill_caches(bs._target_fwd, target, [row], "target")
             if len(row.prompt) == 1:
                 assert cache.get_seq_length() == 0
                 continue

@@ -9,6 +9,7 @@ import torch
 from resispec.decoding import SpeculativeDecoder, TokenizerMismatchError
 from resispec.decoding.kv_cache import cache_length, forward_logits, new_cache
 from resispec.verify import VERIFIERS
+from tests.oracle_decoder import decoder
 from tests.unit.test_decoding_helpers import micro_arch, micro_llama, noisy_copy, one_thread_per_module  # noqa: F401 (autouse fixture)
 
 VOCAB = 96
@@ -57,9 +58,9 @@ def test_greedy_identity(rule, shape, lean, pair, prompts, greedy_refs):
     for i, (ids, ref) in enumerate(zip(prompts, greedy_refs, strict=True)):
         draft = close if i % 2 == 0 else far
         if rule == "greedy_topk":
-            dec = SpeculativeDecoder(target, draft, rule="resispec", tree=shape, lean=lean)
+            dec = decoder(target, draft, not lean, rule="resispec", tree=shape)
         else:
-            dec = SpeculativeDecoder(target, draft, rule=rule, tree=shape, greedy_topk=False, lean=lean)
+            dec = decoder(target, draft, not lean, rule=rule, tree=shape, greedy_topk=False)
         out = dec.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0)
         assert torch.equal(out.sequences, ref), f"prompt {i}: speculative greedy differs from target greedy"
         accepted += out.stats.num_accepted_tokens
@@ -82,7 +83,7 @@ def test_cache_after_every_step_equals_reencoding(rule, lean, pair, prompts):
     """At temperature 1 with a branching tree, accepted paths are often not the first children, so compaction
     really gathers. After each step the caches must equal encoding the committed text from scratch."""
     target, close, _ = pair
-    dec = SpeculativeDecoder(target, close, rule=rule, tree=[3, 2, 1], lean=lean)
+    dec = decoder(target, close, not lean, rule=rule, tree=[3, 2, 1])
     checked = []
 
     def check(tcache, dcache, committed):
@@ -182,7 +183,7 @@ def test_other_architectures_greedy_identity(arch):
 
 
 def test_sampled_walk_verifies_a_chain_in_one_rule_call(pair, prompts):
-    """At temperature > 0 the lean walk verifies a chain's nodes in one batched rule call per step (lean.chain_from),
+    """At temperature > 0 the lean walk verifies a chain's nodes in one batched rule call per step (walk.chain_from),
     and a [3, 1, 1] tree's depths 2-3 in one call after the root's: with the target as its own draft every draft is
     accepted, so the calls per step are exactly that."""
     target = pair[0]

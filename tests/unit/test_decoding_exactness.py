@@ -19,6 +19,7 @@ from scipy.stats import chi2
 from resispec import sampling
 from resispec.decoding import SpeculativeDecoder
 from resispec.verify import VERIFIERS
+from tests.oracle_decoder import decoder
 from tests.unit.test_decoding_helpers import micro_llama, noisy_copy, one_thread_per_module  # noqa: F401 (autouse fixture)
 
 VOCAB = 16
@@ -85,7 +86,7 @@ def powered_critical_value(joint: torch.Tensor, draft_joint: torch.Tensor, num: 
 def check_rule(rule: str, num: int, world, lean: bool = True, tree: list[int] = TREE) -> None:
     target, draft, joint, draft_joint = world
     crit = powered_critical_value(joint, draft_joint, num)
-    dec = SpeculativeDecoder(target, draft, rule=rule, tree=tree, lean=lean)
+    dec = decoder(target, draft, not lean, rule=rule, tree=tree)
     counts = sample_joint(dec, num, seed=SAMPLING_RULES.index(rule))
     stat, df = pearson(counts, joint, num)
     assert stat < crit, (
@@ -108,6 +109,6 @@ def test_joint_law_of_three_tokens_many_samples(rule, lean, world):
 
 @pytest.mark.parametrize("rule", SAMPLING_RULES)
 def test_joint_law_of_three_tokens_on_a_chain(rule, world):
-    """A chain: the lean walk verifies its one-draw nodes in one batched rule call (lean.chain_from; with 3 tokens
+    """A chain: the lean walk verifies its one-draw nodes in one batched rule call (walk.chain_from; with 3 tokens
     to emit, the first step drafts 2 deep and verifies the root and depth 1 together)."""
     check_rule(rule, 300, world, lean=True, tree=[1, 1, 1])

@@ -1,7 +1,8 @@
 """Seeded requests (resispec.sampling.SeedStream): the token at each position is argmax(log p + G), with Gumbel noise
 keyed by (seed, position). So a seeded sequence is the same whether it was decoded autoregressively, speculatively
-with any tree (the lean or the reference step), alone, or as a row of a batch whose rows draft or not step by step;
-and it still follows the target's law (the joint-law test of tests/unit/test_decoding_exactness.py, over seeds)."""
+with any tree (the decoder's step or the reference step, tests/oracle_decoder.py), alone, or as a row of a batch
+whose rows draft or not step by step; and it still follows the target's law (the joint-law test of
+tests/unit/test_decoding_exactness.py, over seeds)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from scipy.stats import chi2
 from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
 from resispec.sampling import SeedStream
+from tests.oracle_decoder import ReferenceDecoder, decoder
 from tests.unit import test_decoding_exactness as ex
 from tests.unit.test_decoding_helpers import micro_llama, noisy_copy, one_thread_per_module  # noqa: F401 (autouse fixture)
 
@@ -78,7 +80,7 @@ def test_a_seeded_sequence_is_the_same_in_every_mode(pair):
         ("rrs", [1, 1, 1], False),
         ("chain", [3, 1], True),
     ):
-        dec = SpeculativeDecoder(target, draft, rule=rule, tree=tree, lean=lean)
+        dec = decoder(target, draft, not lean, rule=rule, tree=tree)
         for seed in seeds:
             got, stats = alone(dec, seed)
             assert got == refs[seed], (rule, tree, lean, seed)
@@ -134,7 +136,7 @@ def test_seeded_decoding_follows_the_target_law(lean):
     crit = ex.powered_critical_value(joint, ex.exact_joint(draft), num)
     counts = torch.zeros(ex.VOCAB**3, dtype=torch.long)
     if lean:  # the batch-1 lean step, then rows of mixed batches (the batch's own walk)
-        dec = SpeculativeDecoder(target, draft, rule="resispec", tree=ex.TREE, lean=True)
+        dec = SpeculativeDecoder(target, draft, rule="resispec", tree=ex.TREE)
         samples = [
             dec.generate(ex.PROMPT, max_new_tokens=3, eos_token_id=[], generator=SeedStream(s), **ex.SETTINGS)
             .sequences[0, 1:]
@@ -154,7 +156,7 @@ def test_seeded_decoding_follows_the_target_law(lean):
                 bs.step()
             samples += [r.generated for r in rows]
     else:
-        dec = SpeculativeDecoder(target, draft, rule="resispec", tree=ex.TREE, lean=False)
+        dec = ReferenceDecoder(target, draft, rule="resispec", tree=ex.TREE)
         samples = [
             dec.generate(ex.PROMPT, max_new_tokens=3, eos_token_id=[], generator=SeedStream(s), **ex.SETTINGS)
             .sequences[0, 1:]

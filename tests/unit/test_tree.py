@@ -44,7 +44,7 @@ def test_chain_from_runs_of_one_child_nodes():
     never a leaf, and a branching node only as the last of a run."""
     from types import SimpleNamespace
 
-    from resispec.decoding.lean import chain_from
+    from resispec.decoding.walk import chain_from
 
     def build(levels, draws):
         tree = DraftTree(root_token=0, max_nodes=32)

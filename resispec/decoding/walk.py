@@ -1,7 +1,9 @@
-"""The lean speculative step: the reference step of `engine.py` minus the host work that is not a model forward.
+"""The accept walk and the rule helpers every speculative step uses (SpeculativeDecoder's step in engine.py, the
+batched step in batch_spec.py): which rule a row runs, its draws at one level, the walk from the root, and the
+caches' advance to the accepted path.
 
-Same contract, same tree, same rules; what it does not do (measured on CPU, where every torch call costs a few
-microseconds whatever its size, so the number of calls is the cost):
+What the walk does not do (on CPU every torch call costs a few microseconds whatever its size, so the number of
+calls is the cost):
 - verify whole tree levels: only the nodes the walk reaches are verified, so a rejection at depth 1 costs one rule
   call, and the per-node work of the rule (resispec's ratio sort and T* solve) is done for D nodes at most instead
   of every node of every level reached. Below a branching node the walk's next node is known only after its
@@ -9,129 +11,35 @@ microseconds whatever its size, so the number of calls is the cost):
   [4, 2, 1, 1] tree) is verified in ONE batched rule call and one host sync (`chain_from`);
 - compute the target distribution of every node: p is built only for the nodes on the walk, lazily;
 - run the sampling transform or the rule at temperature 0: greedy drafting takes the top-b draft LOGITS (softmax
-  is monotone) and the accept walk is one argmax over all nodes plus a walk over Python dicts (one host sync);
+  is monotone) and the accept walk is one argmax over all nodes plus a walk over Python dicts (one host sync).
 Exactness: each node on the path is verified with fresh randomness exactly as the sequential definition of the
-walk (DESIGN.md "Accept phase"); nodes off the path are never verified, which is what the reference's discarded
-rows amount to. Greedy output is token-identical to the reference step and to target greedy decoding (tested).
+walk (DESIGN.md "Accept phase"); nodes off the path are never verified, which is what verifying whole levels and
+discarding the rows off the path amounts to (the reference step, tests/oracle_decoder.py). Greedy output is
+token-identical to the reference step and to target greedy decoding (tested).
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from resispec.decoding.kv_cache import (
-    cache_length,
-    compact_to_path,
-    forward_logits,
-    new_cache,
-    tree_attention_mask,
-)
-from resispec.decoding.stats import DecodeStats
+from resispec.decoding.kv_cache import compact_to_path
 from resispec.decoding.tree import DraftTree
-from resispec.sampling import SeedStream, is_greedy, row_uniforms, sample_at, sample_each
+from resispec.sampling import SeedStream, row_uniforms, sample_at, sample_each
 from resispec.verify.base import Proposal
 from resispec.verify.iid import verify_one_draw
 from resispec.verify.registry import VERIFIERS
 
+# the temperature-0 rule (resispec/verify/greedy.py): top-b drafting, argmax verification
+GREEDY = VERIFIERS["greedy"]
 
-@torch.inference_mode()
-def lean_spec_steps(
-    dec, prompt: list[int], settings: dict, generator, stats: DecodeStats, max_new_tokens: int
-):
-    """Speculative steps of `dec` (a SpeculativeDecoder); yields each step's emitted run. See the module docstring."""
-    dev, rule, shape = dec.device, row_rule(dec.rule, generator), dec.shape
-    depth_max = len(shape)
-    greedy = is_greedy(settings["temperature"]) and dec.greedy_topk
-    vocab = dec.vocab_size
-    tcache = dec._prefill_target(prompt, stats)
-    dcache = new_cache(dec.draft)
-    t_dtype, d_dtype = dec.target.dtype, dec.draft.dtype
-    num_committed = len(prompt)
-    pending = list(prompt)
-    root = prompt[-1]
-    committed = list(prompt)
-    remaining = max_new_tokens
-    while True:
-        # ---- draft phase: one forward per depth
-        dec._sync()
-        t0 = time.perf_counter()
-        tree = DraftTree(root, dec.max_nodes)
-        proposals = []
-        fed_depth = 0
-        depth_lim = min(depth_max, remaining - 1)
-        if depth_lim > 0:
-            start = cache_length(dcache)
-            pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
-            ids = torch.tensor([pending], device=dev)
-            logits = dec._draft_forward(stats, ids, dcache, pos, logits_to_keep=1)[0, :, :vocab]  # [1, V]
-            for depth in range(1, depth_lim + 1):
-                width = shape[depth - 1]
-                if greedy:  # top-b of the draft's logits = top-b of its softmax
-                    draws = torch.topk(logits, min(width, vocab), dim=-1).indices.tolist()
-                else:
-                    q = dec._probs(logits, settings)
-                    proposal = propose_at(rule, q, width, generator, num_committed - 1 + depth)
-                    proposals.append(proposal)
-                    draws = proposal.token_ids.tolist()
-                level = tree.add_level(draws)
-                if len(level) == 0:
-                    if proposals:
-                        proposals.pop()
-                    break
-                if depth == depth_lim:
-                    break
-                block = tree.mask(level, range(1, level.stop))  # [n_d, nodes so far]
-                mask = tree_attention_mask(num_committed, block.to(dev), d_dtype)
-                ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
-                pos = torch.full((1, len(level)), num_committed - 1 + depth, device=dev)
-                logits = dec._draft_forward(stats, ids, dcache, pos, mask)[0, :, :vocab]  # [n_d, V]
-                fed_depth = depth
-        dec._sync()
-        t1 = time.perf_counter()
-        stats.draft_seconds += t1 - t0
-        stats.draft_forwards += 1 + fed_depth if depth_lim > 0 else 0
-        depth_eff = tree.depth
 
-        # ---- verify phase: ONE target forward over the root and every node
-        num_nodes = tree.num_nodes
-        all_nodes = range(0, num_nodes)
-        mask = tree_attention_mask(num_committed - 1, tree.mask(all_nodes, all_nodes).to(dev), t_dtype)
-        ids = torch.tensor([tree.tokens], device=dev)
-        pos = torch.tensor([tree.depths], device=dev) + (num_committed - 1)
-        logits = forward_logits(dec._target_fwd, ids, tcache, pos, mask)[0, :, :vocab]  # [N+1, V]
-        if greedy:
-            best = logits.argmax(dim=-1).tolist()  # the one host sync of a greedy step
-        dec._sync()
-        t2 = time.perf_counter()
-        stats.target_seconds += t2 - t1
-        stats.target_forwards += 1
-
-        # ---- accept phase
-        if greedy:
-            run, accepted = walk_greedy(tree, best)
-        else:
-
-            def p_at(nodes: list[int], logits: torch.Tensor = logits) -> torch.Tensor:
-                return dec._probs(logits[nodes], settings)  # [len(nodes), V]
-
-            run, accepted = walk_sampled(rule, tree, p_at, proposals, generator, num_committed)
-        stats.accept_seconds += time.perf_counter() - t2
-
-        num_acc = len(accepted)
-        stats.record_step(num_nodes, num_acc, depth_eff)
-        yield run
-
-        pending = advance_caches(
-            tcache, dcache, num_committed, tree, accepted, fed_depth, depth_lim > 0, pending, run
-        )
-        remaining -= len(run)
-        num_committed += num_acc + 1
-        root = run[-1]
-        if dec.after_step is not None:
-            committed.extend(run)
-            dec.after_step(tcache, dcache, committed)
+def resolve_rule(rule):
+    """A rule name (key of resispec.verify.VERIFIERS) or any object with scheme/propose/verify."""
+    if not isinstance(rule, str):
+        return rule
+    if rule not in VERIFIERS:
+        raise KeyError(f"unknown verification rule {rule!r}; known: {sorted(VERIFIERS)}")
+    return VERIFIERS[rule]
 
 
 def advance_caches(
@@ -145,7 +53,7 @@ def advance_caches(
     pending: list[int],
     run: list[int],
 ) -> list[int]:
-    """After a step (both step paths): compact both caches to the accepted path; returns the tokens the draft is
+    """After a batch-1 step: compact both caches to the accepted path; returns the tokens the draft is
     fed first next step. `fed_depth`: the deepest tree level the draft's cache holds; `drafted`: the step drafted."""
     compact_to_path(tcache, num_committed - 1, [0] + accepted)
     if not drafted:  # no draft this step (only the emit budget's last token): the draft still owes `pending`
