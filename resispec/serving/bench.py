@@ -202,13 +202,12 @@ def _methods(
                 row = BenchRow("spec", temperature, draft=label, rule=rule, tree=_tree_str(tree))
                 out.append(_decoder_method(row, dec.generate, device, sampling))
                 if bench.reference_step:
-                    ref = SpeculativeDecoder(  # the readable reference: reference step on the HF forward
+                    ref = SpeculativeDecoder(  # the step on the HF forward (the reference step: tests/oracle_decoder.py)
                         target,
                         draft,
                         rule=dec.rule,
                         tree=tree,
                         tokenizer=tokenizer,
-                        lean=False,
                         fast_forward=False,
                     )
                     row = BenchRow("spec", temperature, draft=label, rule=rule, tree="ref" + _tree_str(tree))
