@@ -23,10 +23,12 @@ The rule's internal constants (T*, rho*) are solved under no_grad there, so only
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from resispec.decoding.config import DecodeConfig
 from resispec.sampling import log_probs, nucleus_drop
@@ -57,6 +59,37 @@ class LossConfig:
     # depth_decay ** d instead (positions then all weigh 1); 1 = off
     depth_decay: float = 1.0
     lk_eta: float = 3.0  # lk: lambda = exp(-lk_eta * alpha) blends KL (small alpha) into the acceptance term
+    # response positions per chunk of the loss: no more than chunk_size x V float32 values (plus a few copies) are
+    # alive at once; 0 = all positions in one chunk. The value and gradients do not depend on it
+    chunk_size: int = 256
+
+
+@dataclass
+class Rows:
+    """Logits of N positions, given as such (`x` [N, V], `weight` None) or as the final hidden states `x` [N, H]
+    and the LM head (`weight` [V, H], `bias` [V] or None), so that the loss computes the logits one chunk of rows at
+    a time and never holds all N x V. `autocast`: the dtype the head's matmul runs in (the run's mixed precision,
+    as inside the model's forward), None = the tensors' own."""
+
+    x: Tensor
+    weight: Tensor | None = None
+    bias: Tensor | None = None
+    autocast: torch.dtype | None = None
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def logits(self, sl: slice) -> Tensor:
+        """[n, V] logits of rows `sl` (in the graph of x / weight when grad is enabled)."""
+        if self.weight is None:
+            return self.x[sl]
+        dev = self.x.device.type
+        with torch.autocast(dev, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            return F.linear(self.x[sl], self.weight, self.bias)
+
+    def leaves(self) -> list[Tensor]:
+        """The tensors the loss differentiates (those requiring grad)."""
+        return [t for t in (self.x, self.weight, self.bias) if t is not None and t.requires_grad]
 
 
 @dataclass
@@ -66,7 +99,7 @@ class TargetSignal:
     tokens [..., K], already temperature-scaled and sorted by decreasing probability, with their `ids` [..., K];
     the tail mass is 1 - sum(exp(values))."""
 
-    values: Tensor  # [..., V] logits or [..., K] log-probs
+    values: Tensor | Rows  # [..., V] logits (or Rows: hidden states x the head) or [..., K] log-probs
     ids: Tensor | None = None  # [..., K]
 
     @property
@@ -160,23 +193,29 @@ def residual_num_draws(loss: LossConfig, decode: DecodeConfig) -> int:
 
 
 def residual_draws(
-    loss: LossConfig, decode: DecodeConfig, served: tuple[Tensor, Tensor] | None = None
+    loss: LossConfig,
+    decode: DecodeConfig,
+    served: tuple[Tensor, Tensor] | None = None,
+    mean_alpha: dict[int, float] | None = None,
 ) -> list[tuple[int, float]]:
     """(n, weight) pairs the acceptance losses average alpha over. `loss.draws=root`: the root's n only.
     `loss.draws=tree`: every depth d of the tree with weight depth_decay**d (normalised), grouped by n. Any
     response position can sit at any depth of a future tree, and in the default [4, 2, 1, 1] half the depths are
     one-draft chains, where alpha(n=4) says nothing about what gets accepted. `loss.draws=reach`: depth d weighs
     d tau / d a_d at the batch's current acceptances (`reach_weights`; needs the `served` log-prob pair, without
-    it the tree's n weigh the same, which is enough to check the rules have closed forms)."""
+    it the tree's n weigh the same, which is enough to check the rules have closed forms). `mean_alpha` {n: the
+    batch's mean acceptance}, when given, stands in for the one computed from `served` (the chunked loss computes
+    it over all chunks first, `batch_constants`)."""
     if loss.draws == "root":
         return [(residual_num_draws(loss, decode), 1.0)]
     if loss.draws not in ("tree", "reach"):
         raise ValueError(f"loss.draws must be root, tree or reach, got {loss.draws!r}")
     tree = [int(n) for n in decode.fixed_tree]
-    if loss.draws == "reach" and served is not None:
+    if loss.draws == "reach" and mean_alpha is None and served is not None:
         rule, (log_p, log_q) = residual_rule(loss, decode), served
         with torch.no_grad():
             mean_alpha = {n: acceptance(rule, log_p.exp(), log_q.exp(), n).mean().item() for n in set(tree)}
+    if loss.draws == "reach" and mean_alpha is not None:
         depth_w = reach_weights([mean_alpha[n] for n in tree])
     else:
         decay = loss.depth_decay if loss.draws == "tree" else 1.0
@@ -218,6 +257,9 @@ def served_alpha(served: tuple[Tensor, Tensor], rule: str, draws: list[tuple[int
     """Weighted acceptance sum_n w_n alpha_rule(p, q, n) on the served pair. -> [N]"""
     p, q = served[0].exp(), served[1].exp()
     return sum(w * acceptance(rule, p, q, n) for n, w in draws)
+
+
+Pair = tuple[Tensor, Tensor]
 
 
 def residual(
@@ -274,35 +316,52 @@ def lk(log_p: Tensor, log_q: Tensor, served: tuple[Tensor, Tensor], *, form: str
     raise ValueError(f"unknown lk loss form {form!r}; choose lambda | log | log_lambda")
 
 
-def residual_weighted_fkl(log_p: Tensor, log_q: Tensor, alpha: Tensor) -> Tensor:
+def residual_weighted_fkl(log_p: Tensor, log_q: Tensor, alpha: Tensor, mean_w: float | None = None) -> Tensor:
     """fkl re-weighted per position by the residual mass 1 - alpha that verification leaves there (detached,
     normalised to mean 1 over the batch): fkl's dense, well-conditioned gradient, spent where verification
-    fails instead of on positions the tree already accepts. alpha: [N] served acceptance. -> [N]"""
+    fails instead of on positions the tree already accepts. alpha: [N] served acceptance; `mean_w`: the batch's
+    mean weight when these N rows are one chunk of it (default: their own mean). -> [N]"""
     w = (1.0 - alpha).detach().clamp_min(0.0)
-    return w / w.mean().clamp_min(_TINY) * fkl(log_p, log_q)
+    norm = w.mean() if mean_w is None else torch.tensor(mean_w, dtype=w.dtype, device=w.device)
+    return w / norm.clamp_min(_TINY) * fkl(log_p, log_q)
 
 
-Pair = tuple[Tensor, Tensor]
-# name -> per-position loss [N] from (untruncated pair, served pair, loss config, decode config). The divergences
-# use the untruncated pair only; the acceptance losses take alpha on the served one.
-PositionLoss = Callable[[Pair, Pair, LossConfig, DecodeConfig], Tensor]
+def residual_weight(served: Pair, loss: LossConfig, decode: DecodeConfig, consts: BatchConstants) -> Tensor:
+    """fkl_residual's unnormalised per-position weight (1 - served alpha), clamped at 0. -> [N]"""
+    draws = residual_draws(loss, decode, served, consts.mean_alpha)
+    return (1.0 - served_alpha(served, residual_rule(loss, decode), draws)).clamp_min(0.0)
+
+
+@dataclass
+class BatchConstants:
+    """The few batch-wide numbers a per-position loss reads (all detached), computed over every chunk before the
+    loss itself (`batch_constants`): `mean_alpha` {n: mean acceptance} for draws=reach, `mean_w` fkl_residual's
+    mean weight. None: the loss computes them from the rows it is given (the whole batch in one call)."""
+
+    mean_alpha: dict[int, float] | None = None
+    mean_w: float | None = None
+
+
+# name -> per-position loss [N] from (untruncated pair, served pair, loss config, decode config, batch constants).
+# The divergences use the untruncated pair only; the acceptance losses take alpha on the served one.
+PositionLoss = Callable[[Pair, Pair, LossConfig, DecodeConfig, BatchConstants], Tensor]
 
 LOSSES: dict[str, PositionLoss] = {
-    "fkl": lambda full, served, c, d: fkl(*full),
-    "rkl": lambda full, served, c, d: rkl(*full),
-    "jsd": lambda full, served, c, d: jsd(*full, c.jsd_beta),
-    "tvd": lambda full, served, c, d: tvd(*full),
-    "residual": lambda full, served, c, d: residual(
+    "fkl": lambda full, served, c, d, k: fkl(*full),
+    "rkl": lambda full, served, c, d, k: rkl(*full),
+    "jsd": lambda full, served, c, d, k: jsd(*full, c.jsd_beta),
+    "tvd": lambda full, served, c, d, k: tvd(*full),
+    "residual": lambda full, served, c, d, k: residual(
         *full,
         rule=build_rule(residual_rule(c, d), d.auto_policy),
-        n=residual_draws(c, d, served),
+        n=residual_draws(c, d, served, k.mean_alpha),
         form=c.form,
         fkl_weight=c.fkl_weight,
         served=served,
     ),
-    "lk": lambda full, served, c, d: lk(*full, served, form=c.form, eta=c.lk_eta),
-    "fkl_residual": lambda full, served, c, d: residual_weighted_fkl(
-        *full, served_alpha(served, residual_rule(c, d), residual_draws(c, d, served))
+    "lk": lambda full, served, c, d, k: lk(*full, served, form=c.form, eta=c.lk_eta),
+    "fkl_residual": lambda full, served, c, d, k: residual_weighted_fkl(
+        *full, served_alpha(served, residual_rule(c, d), residual_draws(c, d, served, k.mean_alpha)), k.mean_w
     ),
 }
 # losses that read the served acceptance: they see the decode top-k / top-p (the divergences do not)
@@ -368,23 +427,215 @@ def distill_loss(
     decode: DecodeConfig,
 ) -> tuple[Tensor, dict[str, float]]:
     """Masked, weighted mean of the configured loss over the response positions. Returns (loss, stats)
-    where stats carries the mean unweighted fkl for reference."""
-    fn = LOSSES[loss.name]
+    where stats carries the mean unweighted fkl for reference. The rows are selected here; the loss itself is
+    `distill_loss_rows` (chunked)."""
+    sel = loss_mask.bool()  # only the response positions are computed: they are all the loss needs
+    tgt = TargetSignal(target.values[sel], None if target.ids is None else target.ids[sel])
+    if not sel.any():  # a batch with no response token: a zero that keeps the graph
+        return draft_logits.sum() * 0.0, {"fkl": 0.0, "num_positions": 0}
+    w = loss_weights(loss_mask, loss, decode)[sel]  # [N]
+    return distill_loss_rows(Rows(draft_logits[sel]), tgt, w, loss, decode)
+
+
+def loss_weights(loss_mask: Tensor, loss: LossConfig, decode: DecodeConfig) -> Tensor:
+    """Per-position weights [B, T] of the configured loss (0 off the response)."""
     # with draws=tree the depth weights live inside the residual loss; positions then weigh the same
     tree_weighted = loss.name in ("residual", "fkl_residual") and loss.draws != "root"
-    weights = position_weights(
-        loss_mask, 1.0 if tree_weighted else loss.depth_decay, len(decode.fixed_tree)
-    )  # [B, T]
-    sel = loss_mask.bool()  # only the response positions are computed: they are all the loss needs
-    q_logits = draft_logits[sel]  # [N, V]
-    tgt = TargetSignal(target.values[sel], None if target.ids is None else target.ids[sel])
-    w = weights[sel]  # [N]
-    if q_logits.shape[0] == 0:  # a batch with no response token: a zero that keeps the graph
-        return draft_logits.sum() * 0.0, {"fkl": 0.0, "num_positions": 0}
+    return position_weights(loss_mask, 1.0 if tree_weighted else loss.depth_decay, len(decode.fixed_tree))
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    size = size if size and size > 0 else max(n, 1)
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _target_rows(target: TargetSignal, sl: slice) -> TargetSignal:
+    values = target.values.logits(sl) if isinstance(target.values, Rows) else target.values[sl]
+    return TargetSignal(values, None if target.ids is None else target.ids[sl])
+
+
+def _pairs(target: TargetSignal, q_logits: Tensor, sl: slice, loss: LossConfig, decode: DecodeConfig):
+    """(full, served) log-prob pairs of one chunk."""
+    tgt = _target_rows(target, sl)
     full = paired_logprobs(tgt, q_logits, decode, truncate=False)
     truncates = loss.name in ACCEPTANCE_LOSSES and (decode.top_k > 0 or decode.top_p < 1.0)
-    served = paired_logprobs(tgt, q_logits, decode, truncate=True) if truncates else full
-    per_pos = fn(full, served, loss, decode)  # [N]
-    value = (per_pos * w).sum() / w.sum().clamp_min(_TINY)
-    ref = fkl(*full).detach().mean().item()
-    return value, {"fkl": ref, "num_positions": int(q_logits.shape[0])}
+    return full, (paired_logprobs(tgt, q_logits, decode, truncate=True) if truncates else full)
+
+
+@torch.no_grad()
+def batch_constants(
+    draft: Rows, target: TargetSignal, loss: LossConfig, decode: DecodeConfig
+) -> BatchConstants:
+    """The batch-wide constants of the loss (`BatchConstants`), one no-grad pass over the chunks per constant
+    needed (none for fkl, rkl, jsd, tvd, lk and the residual losses with draws=root or tree)."""
+    consts, n_rows = BatchConstants(), len(draft)
+    chunks = _chunks(n_rows, loss.chunk_size)
+
+    def pairs() -> Iterator[Pair]:
+        for sl in chunks:
+            yield _pairs(target, draft.logits(sl), sl, loss, decode)[1]
+
+    if loss.name in ("residual", "fkl_residual") and loss.draws == "reach":
+        rule, ns = residual_rule(loss, decode), sorted({int(n) for n in decode.fixed_tree})
+        sums = dict.fromkeys(ns, 0.0)
+        for log_p, log_q in pairs():
+            p, q = log_p.exp(), log_q.exp()
+            for n in ns:
+                sums[n] += float(acceptance(rule, p, q, n).double().sum())
+        consts.mean_alpha = {n: s / n_rows for n, s in sums.items()}
+    if loss.name == "fkl_residual":
+        total = sum(float(residual_weight(served, loss, decode, consts).double().sum()) for served in pairs())
+        consts.mean_w = total / n_rows
+    return consts
+
+
+class _WithGradients(torch.autograd.Function):
+    """A value whose gradients with respect to `inputs` were computed already (chunk by chunk, in the forward):
+    the backward only scales them by the incoming gradient, so nothing of the chunks' graphs is kept."""
+
+    @staticmethod
+    def forward(ctx, value: Tensor, n: int, *tensors: Tensor) -> Tensor:
+        inputs, grads = tensors[:n], tensors[n:]
+        ctx.dtypes = [t.dtype for t in inputs]
+        ctx.save_for_backward(*grads)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grads = [(g * grad_out).to(dt) for g, dt in zip(ctx.saved_tensors, ctx.dtypes, strict=True)]
+        return (None, None, *grads, *[None] * len(grads))
+
+
+def distill_loss_rows(
+    draft: Rows, target: TargetSignal, weights: Tensor, loss: LossConfig, decode: DecodeConfig
+) -> tuple[Tensor, dict[str, float]]:
+    """The weighted mean of the configured loss over N response positions, computed `loss.chunk_size` rows at a
+    time: draft logits [N, V] (or hidden states and the head, `Rows`), the target's rows (dense logits or `Rows`,
+    or sparse top-K), weights [N]. Each chunk's logits, log-probs and loss are built, differentiated with
+    respect to its logits and freed before the next chunk; the gradients of x (and of the head) are accumulated
+    and handed to autograd at the end (`_WithGradients`), so at most one chunk's [n, V] working set is alive.
+    The same value and gradients as one chunk of all N (batch-wide constants come from `batch_constants`).
+    Returns (loss, {"fkl": mean unweighted forward KL (no grad), "num_positions": N})."""
+    n_rows, fn = len(draft), LOSSES[loss.name]
+    if n_rows == 0:
+        zero = sum(t.sum() * 0.0 for t in draft.leaves()) if draft.leaves() else draft.x.sum() * 0.0
+        return zero, {"fkl": 0.0, "num_positions": 0}
+    consts = batch_constants(draft, target, loss, decode)
+    w_sum = weights.sum().clamp_min(_TINY)
+    leaves = draft.leaves() if torch.is_grad_enabled() else []
+    x, weight, bias = draft.x, draft.weight, draft.bias
+    wanted = lambda t: t is not None and any(t is leaf for leaf in leaves)  # noqa: E731
+    gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if wanted(x) else None
+    gw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if wanted(weight) else None
+    gb = torch.zeros(bias.shape, dtype=torch.float32, device=x.device) if wanted(bias) else None
+    mm = draft.autocast or (weight.dtype if weight is not None else None)  # the dtype of the head's matmuls
+    value = torch.zeros((), dtype=torch.float32, device=x.device)
+    fkl_sum = 0.0
+    for sl in _chunks(n_rows, loss.chunk_size):
+        with torch.no_grad():
+            q_logits = draft.logits(sl)
+        with torch.enable_grad():
+            q_leaf = q_logits.detach().requires_grad_(bool(leaves))
+            full, served = _pairs(target, q_leaf, sl, loss, decode)
+            per_pos = fn(full, served, loss, decode, consts)  # [n]
+            part = (per_pos * weights[sl]).sum() / w_sum
+            g = torch.autograd.grad(part, q_leaf)[0] if leaves else None  # [n, V]
+        value += part.detach().float()
+        with torch.no_grad():  # the logged fkl: the loss itself when it is fkl
+            ref = per_pos if loss.name == "fkl" else fkl(full[0].detach(), full[1].detach())
+            fkl_sum += float(ref.detach().double().sum())
+        del full, served, part, per_pos, q_leaf
+        if g is None:
+            continue
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            if weight is None:
+                gx[sl] = g
+                continue
+            if gx is not None:
+                gx[sl] = (g.to(mm) @ weight.to(mm)).float()
+            if gw is not None and mm == torch.float32:
+                gw.addmm_(g.t().float(), x[sl].float())
+            elif gw is not None:  # as autocast's backward would: the matmul in mm, accumulated in float32
+                gw += g.t().to(mm) @ x[sl].to(mm)
+            if gb is not None:
+                gb += g.float().sum(0)
+    stats = {"fkl": fkl_sum / n_rows, "num_positions": n_rows}
+    if not leaves:
+        return value, stats
+    pairs = [(t, grad) for t, grad in ((x, gx), (weight, gw), (bias, gb)) if grad is not None]
+    inputs, grads = [t for t, _ in pairs], [grad for _, grad in pairs]
+    return _WithGradients.apply(value, len(inputs), *inputs, *grads), stats
+
+
+# ----------------------------------------------------------------------------- a model's response rows
+class _SelectRows(torch.nn.Module):
+    """Stands in for a causal LM's head during one forward: returns the final hidden states of the selected
+    positions only, [N, H] (flat indices into [B * T]), so the model computes no logits at all."""
+
+    def __init__(self, index: Tensor):
+        super().__init__()
+        self.index = index
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return hidden.reshape(-1, hidden.shape[-1])[self.index]
+
+
+def _head_parent(model: torch.nn.Module, head: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    for module in model.modules():
+        for name, child in module.named_children():
+            if child is head:
+                return module, name
+    raise ValueError("the model's output embeddings are not one of its modules")
+
+
+@contextmanager
+def _head_swapped(model: torch.nn.Module, head: torch.nn.Module, index: Tensor, hidden_only: bool):
+    """Within the block, a forward of `model` (wrapped or not) computes only the rows `index`: the head replaced by
+    `_SelectRows` (hidden_only: no logits), or, where the head must stay in place (a sharded model: FSDP or
+    DeepSpeed gather its weights only inside the forward), a pre-hook that feeds it only those rows."""
+    if hidden_only:
+        parent, name = _head_parent(model, head)
+        setattr(parent, name, _SelectRows(index))
+        try:
+            yield
+        finally:
+            setattr(parent, name, head)
+        return
+    hook = head.register_forward_pre_hook(lambda _m, args: (_SelectRows(index)(args[0]), *args[1:]))
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+def response_index(loss_mask: Tensor, seq_len: int) -> Tensor:
+    """Flat indices into [B * seq_len] of the positions whose next token is a response token; loss_mask [B, T']
+    (T' <= seq_len, usually seq_len - 1: the last position predicts past the row). Row-major, so the rows line up
+    with `tensor[loss_mask.bool()]`. -> [N] long"""
+    sel = torch.zeros(loss_mask.shape[0], seq_len, dtype=torch.bool, device=loss_mask.device)
+    sel[:, : loss_mask.shape[1]] = loss_mask.bool()
+    return sel.flatten().nonzero().squeeze(1)
+
+
+def model_rows(
+    model: torch.nn.Module,
+    inner: torch.nn.Module,
+    batch: dict[str, Tensor],
+    index: Tensor,
+    fused: bool = True,
+    autocast: torch.dtype | None = None,
+) -> Rows:
+    """The model's logits at the flat positions `index` of the batch (`response_index`), without the logits of any
+    other position. `model` runs the forward (DDP / FSDP / peft / accelerate-wrapped as prepared); `inner` is the
+    unwrapped model (`accelerator.unwrap_model`). `fused` (a model whose head is a plain Linear held whole on this
+    process, no logit soft-capping): the forward stops at the hidden states [N, H] and the loss applies the head
+    chunk by chunk (`Rows` with the head's weight). Otherwise the forward computes the [N, V] logits of those
+    rows only. `autocast`: the dtype of the head's matmul (the run's mixed precision)."""
+    head = inner.get_output_embeddings()
+    plain = type(head) is torch.nn.Linear and not getattr(inner.config, "final_logit_softcapping", None)
+    fused = fused and plain
+    with _head_swapped(inner, head, index, hidden_only=fused):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    if not fused:
+        return Rows(out)
+    return Rows(out, head.weight, head.bias, autocast)

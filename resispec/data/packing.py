@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datasets
+import torch
 
 
 def pack_example(prompt_ids: list[int], response_ids: list[int], seq_len: int, pad_id: int) -> dict:
@@ -31,3 +32,15 @@ def pack(dataset: datasets.Dataset, seq_len: int, pad_id: int) -> datasets.Datas
         lambda r: pack_example(r["prompt_ids"], r["response_ids"], seq_len, pad_id),
         remove_columns=rows.column_names,
     )
+
+
+def trim_padding(batch: dict) -> dict:
+    """A batch of right-padded rows [B, seq_len, ...] cut to its longest row (attention_mask's last 1): the
+    columns after it are padding in every row, and with right padding no kept position attends to them, so the
+    forward and the loss are the same on fewer positions. Every tensor of the batch is cut along dim 1."""
+    mask = batch["attention_mask"]
+    cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    length = max(int((mask.bool() * cols).max()), 1)
+    if length == mask.shape[1]:
+        return batch
+    return {k: v[:, :length] if getattr(v, "dim", lambda: 0)() >= 2 else v for k, v in batch.items()}
