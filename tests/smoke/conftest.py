@@ -77,3 +77,31 @@ def server(micro_world):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
         log.close()
+
+
+# ---------------------------------------------------------------- the real recipes' stand-ins (standin=true)
+
+STANDIN_PAIRS = {
+    "llama3": ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
+    "qwen3": ("Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"),
+}
+
+
+@pytest.fixture(scope="session")
+def standin_cache(tmp_path_factory):
+    """A session cache folder; `standin_built(family)` builds that family's stand-in into it once (~10-30 s on
+    2 cores), so every subprocess with `world.cache_dir=<it> standin=true` reuses it."""
+    return tmp_path_factory.mktemp("standin_cache")
+
+
+@pytest.fixture(scope="session")
+def standin_built(standin_cache):
+    from resispec.models.standin import StandinSpec, ensure_standin
+
+    def build(family: str):
+        target, draft = STANDIN_PAIRS[family]
+        return ensure_standin(
+            StandinSpec(target, draft, "HuggingFaceH4/ultrachat_200k"), standin_cache, False
+        )
+
+    return build
