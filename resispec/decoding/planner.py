@@ -13,10 +13,14 @@ the others: where chains pay more, the planner returns a chain. alpha is measure
 positions of the target's own continuations (closed form where the rule has one, else Monte Carlo through the
 rule's propose/verify).
 
-At batch 1 the cost model settles only the clear cases: the plans predicted within a few percent of the best are
-then timed on real decode steps, and the best by predicted tau over measured step wins (settle_by_steps). Adding
-up parts (forward tables interpolated between grid counts, host overhead from two trees) is within ~10% for each
-tree, but the top candidates are often predicted within 1-2% of each other while their steps differ by 5-10%.
+The model only shortlists: its tau multiplies per-depth acceptances as if depths were independent, which is
+optimistic at T > 0 for any tree with a multi-draw level (the tiny world: [2,2,1] predicted tau 2.90, decoded
+2.53), and its step adds up parts that rank the top candidates, often within 1-2% of each other, wrongly. So the
+plans predicted within SETTLE_BAND of the best (at most SETTLE_MOST), and always the best-ranked plain chain of
+the same rule, are DECODED for real on the calibration prompts (settle_by_decoding): one generation per prompt
+each, the same seeded draws for every candidate, AR in the same rounds, ABBA order. Their tau and tokens per
+second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN to be chosen: a chain wins
+ties. Batched buckets where the model plans speculation are settled the same way on a few real batched steps.
 """
 
 from __future__ import annotations
@@ -48,9 +52,17 @@ BATCH_NODE_GRID = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens per row timed at batch si
 # of the tiny world its 10 nodes a row cost ~24 ms a step beyond the forwards and a one-node chain's ~5 ms: charged
 # to every candidate, that one figure planned "no speculation" at every batch size > 1
 OVERHEAD_TREE = (2, 2, 1)
-# batch 1: the plans predicted within SETTLE_BAND of the best (at most SETTLE_MOST) are timed on real decode steps,
-# SETTLE_ROUNDS short decodes each, and the best by tau over measured step wins (settle_by_steps)
-SETTLE_BAND, SETTLE_MOST, SETTLE_ROUNDS = 0.05, 4, 3
+# the plans predicted within SETTLE_BAND of the best (at most SETTLE_MOST) and the best-ranked chain are decoded on
+# the calibration prompts (settle_by_decoding): batch 1, SETTLE_TOKENS tokens on each of SETTLE_PROMPTS prompts
+SETTLE_BAND, SETTLE_MOST, SETTLE_PROMPTS, SETTLE_TOKENS = 0.08, 4, 4, 48
+# batched buckets where the model plans speculation: fewer candidates, BATCH_SETTLE_STEPS steps a round
+BATCH_SETTLE_MOST, BATCH_SETTLE_ROUNDS, BATCH_SETTLE_STEPS = 2, 2, 8
+# a tree is chosen over the best measured chain only when it measures more than this much faster (a chain wins
+# ties): the chain's step is the cheapest and its tau the least exposed to the calibration prompts' luck
+TIE_MARGIN = 0.02
+SETTLE_SEED = (
+    20_000  # the seeds of the settling decodes: round r draws from SETTLE_SEED + r, every candidate alike
+)
 
 
 @dataclass
@@ -65,7 +77,7 @@ class CostModel:
     # ms to propose and verify one node by number of draws (sampled decoding; empty at temperature 0, where the
     # walk is one argmax): a walk verifies depth d only when it reaches d, see verify_cost
     verify_ms: dict[int, float] = field(default_factory=dict)
-    # ms per further node of a one-draw run that the walk verifies in one rule call (lean.chain_from): proposing it
+    # ms per further node of a one-draw run that the walk verifies in one rule call (walk.chain_from): proposing it
     # and its row of the batched verification; 0 = each such node costs verify_ms[1] (no batching)
     verify_row_ms: float = 0.0
     # ms more than verify_ms[n] for the step's FIRST rule call (the root's, n = its draws), beyond what a one-draw
@@ -74,7 +86,7 @@ class CostModel:
     # back, 0.89-0.90 for a 2-draw node later in the same walk
     root_verify_extra_ms: dict[int, float] = field(default_factory=dict)
     # a chain's accept walk is part of overhead_ms (measured, not predicted): the batched decoder verifies the
-    # chains of all rows at once (lean.walk_one_draw_chains, rules with one_draw_is_standard), a few batched ops
+    # chains of all rows at once (walk.walk_one_draw_chains, rules with one_draw_is_standard), a few batched ops
     # whatever the rows, where verify_ms times a row's call
     chain_walk_in_overhead: bool = False
 
@@ -110,7 +122,7 @@ class CostModel:
     def verify_cost(self, tree: Sequence[int], alpha: dict[int, float]) -> float:
         """Expected ms of the accept walk: depth d's node is verified with probability prod_{j < d} alpha(b_j),
         except that, once verify_row_ms is measured, a run of one-draw depths (a chain, or a tree's tail; a leaf
-        is not verified) costs one call when the walk reaches its first node (lean.chain_from): verify_ms[1], plus
+        is not verified) costs one call when the walk reaches its first node (walk.chain_from): verify_ms[1], plus
         verify_row_ms per further node; the root's call costs root_verify_extra_ms more. 0 for a chain when
         chain_walk_in_overhead."""
         if self.chain_walk_in_overhead and set(tree) <= {1}:
@@ -130,25 +142,68 @@ class CostModel:
 @dataclass
 class Plan:
     tree: list[int]
-    tau: float  # predicted accepted length
+    tau: float  # accepted length: predicted by the model, or measured on the calibration decodes (`measured`)
     step_ms: float
     tokens_per_s: float
-    speedup: float  # predicted, over AR of the same target on this device
+    speedup: float  # over AR of the same target on this device: predicted, or measured alongside (`measured`)
     alpha: dict[int, float] = field(
         default_factory=dict
     )  # the calibrated per-node acceptance it was planned with
-    # step_ms timed on decode steps (settle_by_steps), not added up by the cost model
-    step_measured: bool = False
+    # tau, step, tokens per second and speedup measured on real decodes of the calibration prompts
+    # (settle_by_decoding), not predicted; the model's own figures stay in tau_model and speedup_model
+    measured: bool = False
+    tau_model: float | None = None
+    speedup_model: float | None = None
+    # every candidate decoded when this plan was settled: tree, tau_model, tau, speedup_model, speedup, tokens
+    candidates: list[dict] = field(default_factory=list)
+    startup_s: float = 0.0  # wall seconds of the planning call that chose it (Planner.choose_by_batch)
+
+    @property
+    def is_chain(self) -> bool:
+        return set(self.tree) <= {1}
 
     def describe(self) -> str:
-        step = "measured" if self.step_measured else "predicted"
+        if not self.measured:
+            return (
+                f"tree={self.tree} predicted tau {self.tau:.2f}, step {self.step_ms:.1f} ms, "
+                f"{self.tokens_per_s:.0f} tok/s, speedup {self.speedup:.2f}x over AR"
+            )
+        decoded = ", ".join(f"{c['tree']} {c['speedup']:.2f}x" for c in self.candidates)
         return (
-            f"tree={self.tree} predicted tau {self.tau:.2f}, step {self.step_ms:.1f} ms ({step}), "
-            f"{self.tokens_per_s:.0f} tok/s, speedup {self.speedup:.2f}x over AR"
+            f"tree={self.tree} measured on calibration: tau {self.tau:.2f} (model {self.tau_model:.2f}), "
+            f"step {self.step_ms:.1f} ms, speedup {self.speedup:.2f}x over AR (model {self.speedup_model:.2f}x); "
+            f"decoded {decoded}; start-up {self.startup_s:.1f} s"
         )
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Decoded:
+    """Real decodes of one candidate (a tree, or None: AR): tokens emitted, speculative steps (row-steps in a
+    batch), draft tokens accepted in them, wall seconds."""
+
+    tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+
+    def __add__(self, other: Decoded) -> Decoded:
+        return Decoded(
+            self.tokens + other.tokens,
+            self.steps + other.steps,
+            self.accepted + other.accepted,
+            self.seconds + other.seconds,
+        )
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class ForwardProbe:
@@ -483,38 +538,157 @@ def plan_tree(
     return rank_trees(cost, alpha, candidates)[0]
 
 
-def settle_by_steps(
-    ranked: Sequence[Plan],
-    time_step,
-    ar_ms: float,
-    band: float = SETTLE_BAND,
-    most: int = SETTLE_MOST,
-    rounds: int = SETTLE_ROUNDS,
-) -> Plan:
-    """The best of the plans predicted within `band` of the first (at most `most` of them), by tau over MEASURED
-    step time: `time_step(tree, round)` -> ms of one of its steps, each plan timed once a round, the order reversed
-    every other round (ABBA), the median kept. The cost model adds up parts (forward tables interpolated between
-    grid counts, host overhead from two trees), and the candidates at the top are often within 1-2% of each other
-    while their real steps differ by 5-10%: on the tiny world at T = 1, [2,1,1] was predicted 1% ahead of the
-    chains and measured 4-11% behind them. Tau stays predicted: over a few short decodes the measured acceptance
-    is far noisier than the calibration's. The plan returned carries its measured step (`step_measured`)."""
+def settle_candidates(
+    ranked: Sequence[Plan], band: float = SETTLE_BAND, most: int = SETTLE_MOST
+) -> list[Plan]:
+    """The plans to decode for real: those predicted within `band` of the first (at most `most` of them), and the
+    best-ranked plain chain, always (appended when the model ranked it outside)."""
     top = ranked[0].tokens_per_s
     near = [p for p in ranked if p.tokens_per_s >= (1.0 - band) * top][:most]
-    if len(near) < 2:
-        return ranked[0]
-    times: list[list[float]] = [[] for _ in near]
+    if not any(p.is_chain for p in near):
+        near += [next(p for p in ranked if p.is_chain)]
+    return near
+
+
+def pick_measured(plans: Sequence[Plan], tie: float = TIE_MARGIN) -> Plan:
+    """The fastest measured plan, except that a tree must be more than `tie` faster than the fastest measured
+    chain: a chain wins ties, and no tree that measured slower than the chain is ever returned."""
+    best = max(plans, key=lambda p: p.tokens_per_s)
+    chains = [p for p in plans if p.is_chain]
+    if not chains or best.is_chain:
+        return best
+    chain = max(chains, key=lambda p: p.tokens_per_s)
+    return best if best.tokens_per_s > (1.0 + tie) * chain.tokens_per_s else chain
+
+
+def settle_by_decoding(
+    ranked: Sequence[Plan],
+    decode,
+    rounds: int,
+    band: float = SETTLE_BAND,
+    most: int = SETTLE_MOST,
+    tie: float = TIE_MARGIN,
+) -> Plan:
+    """The plan to use, by MEASURED tokens per second: the candidates of settle_candidates and AR are each decoded
+    once a round, `decode(tree, round)` -> Decoded (tree None: AR), round r with the same prompt and the same
+    seeded draws for every candidate, the order reversed every other round (ABBA, so a shared machine's drift hits
+    all alike). Each candidate's tau, step and tokens per second are its sums over the rounds, its speedup is over
+    AR's tokens per second in the same rounds, and pick_measured chooses (a chain wins ties). Why measure: the
+    model's tau multiplies per-depth acceptances as if depths were independent (optimistic at T > 0 for any tree
+    with a multi-draw level: [2,2,1] predicted 2.90, decoded 2.53 on the tiny world), and its step adds up parts
+    that rank the top candidates, often within 1-2% of each other, wrongly. The plan returned is marked `measured`,
+    keeps the model's figures (tau_model, speedup_model) and lists every candidate decoded."""
+    near = settle_candidates(ranked, band, most)
+    trees: list[list[int] | None] = [None, *(p.tree for p in near)]
+    runs = [Decoded() for _ in trees]
     for rnd in range(rounds):
-        order = range(len(near)) if rnd % 2 == 0 else reversed(range(len(near)))
+        order = range(len(trees)) if rnd % 2 == 0 else reversed(range(len(trees)))
         for i in order:
-            times[i].append(time_step(near[i].tree, rnd))
-    settled = []
-    for plan, ms in zip(near, times, strict=True):
-        step = statistics.median(ms)
-        tps = 1e3 * plan.tau / step
-        settled.append(
-            replace(plan, step_ms=step, tokens_per_s=tps, speedup=tps * ar_ms / 1e3, step_measured=True)
+            runs[i] = runs[i] + decode(trees[i], rnd)
+    ar_tps = runs[0].tokens_per_s
+    settled = [
+        replace(
+            plan,
+            tau=run.tau,
+            step_ms=1e3 * run.seconds / max(run.steps, 1),
+            tokens_per_s=run.tokens_per_s,
+            speedup=run.tokens_per_s / ar_tps if ar_tps > 0 else 0.0,
+            measured=True,
+            tau_model=plan.tau,
+            speedup_model=plan.speedup,
         )
-    return max(settled, key=lambda plan: plan.tokens_per_s)
+        for plan, run in zip(near, runs[1:], strict=True)
+    ]
+    table = [
+        {
+            "tree": p.tree,
+            "tau_model": p.tau_model,
+            "tau": p.tau,
+            "speedup_model": p.speedup_model,
+            "speedup": p.speedup,
+            "tokens": run.tokens,
+        }
+        for p, run in zip(settled, runs[1:], strict=True)
+    ]
+    return replace(pick_measured(settled, tie), candidates=table)
+
+
+class _CalibrationDecodes:
+    """settle_by_decoding's `decode` at batch 1: one generation of SETTLE_TOKENS tokens of calibration prompt
+    r % len(prompts) with seed SETTLE_SEED + r, through the decoder the server and the bench run (one
+    SpeculativeDecoder per tree, built once; AR its generate_autoregressive), timed whole as the bench times its
+    rows (prefill included); each decoder's first call is preceded by an untimed short one (warm-up)."""
+
+    def __init__(self, target, draft, rule, prompts, sampling, max_new_tokens: int = SETTLE_TOKENS):
+        self.target, self.draft, self.rule, self.prompts = target, draft, rule, prompts
+        self.sampling, self.max_new_tokens = sampling, max_new_tokens
+        self.device = next(target.parameters()).device
+        self.decoders: dict = {}
+
+    def __call__(self, tree: Sequence[int] | None, rnd: int) -> Decoded:
+        from resispec.decoding.engine import SpeculativeDecoder
+
+        key = None if tree is None else tuple(tree)
+        ids = torch.tensor([list(self.prompts[rnd % len(self.prompts)])], device=self.device)
+        if key not in self.decoders:
+            dec = SpeculativeDecoder(self.target, self.draft, rule=self.rule, tree=list(key or (1,)))
+            self.decoders[key] = dec.generate if key else dec.generate_autoregressive
+            self._run(key, ids, SETTLE_SEED - 1, 8)  # warm-up
+        return self._run(key, ids, SETTLE_SEED + rnd, self.max_new_tokens)
+
+    def _run(self, key, ids: torch.Tensor, seed: int, max_new_tokens: int) -> Decoded:
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.decoders[key](ids, generator=gen, max_new_tokens=max_new_tokens, **self.sampling)
+        _sync(self.device)
+        seconds = time.perf_counter() - t0
+        stats = out.stats
+        return Decoded(stats.num_new_tokens, stats.num_drafts, stats.num_accepted_tokens, seconds)
+
+
+class _BatchedCalibrationDecodes:
+    """settle_by_decoding's `decode` at `rows` rows: the batched speculative decoder (AR: its plain steps, as the
+    server's batched AR) on `rows` calibration prompts (cycled; row i seeded SETTLE_SEED + round * rows + i, every
+    candidate alike), one untimed step and BATCH_SETTLE_STEPS timed ones."""
+
+    def __init__(self, target, draft, rule, prompts, sampling, rows: int, steps: int = BATCH_SETTLE_STEPS):
+        self.target, self.draft, self.rule, self.prompts = target, draft, rule, prompts
+        self.sampling, self.rows, self.steps = sampling, rows, steps
+
+    @torch.inference_mode()
+    def __call__(self, tree: Sequence[int] | None, rnd: int) -> Decoded:
+        from resispec.decoding.batch import BatchedSpeculativeDecoder
+
+        dec = BatchedSpeculativeDecoder(self.target, self.draft, self.rule, list(tree or (1,)))
+        greedy = is_greedy(self.sampling.get("temperature", 1.0))
+        for i in range(self.rows):
+            seed = SETTLE_SEED + rnd * self.rows + i
+            dec.add(
+                list(self.prompts[(rnd * self.rows + i) % len(self.prompts)]),
+                max_new_tokens=(self.steps + 2) * (len(tree or ()) + 1),
+                eos_token_id=[],
+                generator=None if greedy else torch.Generator().manual_seed(seed),
+                **self.sampling,
+            )
+        drafting = tree is not None
+        dec.step(drafting)  # warm-up (and the draft's prefill)
+        before = [(r.stats.num_new_tokens, r.stats.num_drafts, r.stats.num_accepted_tokens) for r in dec.rows]
+        rows = list(dec.rows)
+        t0 = time.perf_counter()
+        for _ in range(self.steps):
+            dec.step(drafting)
+        seconds = time.perf_counter() - t0
+        after = [(r.stats.num_new_tokens, r.stats.num_drafts, r.stats.num_accepted_tokens) for r in rows]
+        tokens, steps, accepted = (
+            sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) for k in range(3)
+        )
+        return Decoded(tokens, steps, accepted, seconds)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _verify_probe(
@@ -563,7 +737,7 @@ def measure_verify_ms(
 
 @torch.no_grad()
 def measure_verify_row_ms(rule, vocab: int, rows: int = 4, reps: int = 15, device="cpu", nodes=None) -> float:
-    """Median ms per further node of a one-draw run verified in one call (lean.chain_from): `rows` one-draw
+    """Median ms per further node of a one-draw run verified in one call (walk.chain_from): `rows` one-draw
     proposals and one batched verification, less one node's propose-and-verify, over rows - 1. Timed back to back:
     the run is never a step's first call once its root has been verified (CostModel.root_verify_extra_ms)."""
     p, q, rng = _verify_probe(vocab, rows, device, nodes)
@@ -596,7 +770,9 @@ class Planner:
         self.target, self.prompts = target, [list(p) for p in prompts]
         self.continuation_tokens = continuation_tokens
         self._ms: dict[tuple[int, int], dict[int, float]] = {}  # (id(model), batch) -> ms by tokens per row
+        t0 = time.perf_counter()
         self._table(target, 1)  # the target's batch-1 costs now, before any calibration
+        self.init_s = time.perf_counter() - t0  # start-up spent here, before any plan
         self._continuations: dict[tuple, list[list[int]]] = {}
 
     def _table(self, model: torch.nn.Module, batch: int) -> dict[int, float]:
@@ -649,9 +825,13 @@ class Planner:
         """The planned tree of `rule` for `draft` at each batch size (the batched decoder: every row drafts its
         tree, one draft forward per depth and one target forward for all rows). The acceptance is per row, so
         one calibration serves every size; the forward times are measured at each size, and the per-row host
-        work is measured at each size (measure_batch_overhead) and the verification scales with the rows. A plan
-        whose predicted speedup is at most 1 says: at this batch size, do not speculate. `threads_at` (batch size ->
-        torch threads; None: torch's setting): each size is timed on the threads it will decode on."""
+        work is measured at each size (measure_batch_overhead) and the verification scales with the rows. The model
+        ranks the candidates; batch 1, and every size where the model plans speculation, is then settled on real
+        decodes of the calibration prompts (settle_by_decoding: the near-ties and the best chain, AR alongside; a
+        chain wins ties), so those plans' tau and speedup are measured. A plan whose speedup is at most 1 says: at
+        this batch size, do not speculate. Each plan's startup_s: the seconds this call spent on it (the shared
+        calibration included). `threads_at` (batch size -> torch threads; None: torch's setting): each size is
+        timed on the threads it will decode on."""
         initial_threads = torch.get_num_threads()
         try:
             return self._choose_by_batch(draft, rule, sampling, batch_sizes, auto_policy, threads_at)
@@ -667,6 +847,7 @@ class Planner:
             if threads_at is not None:
                 torch.set_num_threads(threads_at(batch))
 
+        t_start = time.perf_counter()
         settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
         on_threads_of(1)  # the verification timings below and the batch-1 forward table
         cost = self.cost_for(draft)
@@ -696,7 +877,9 @@ class Planner:
             base = cold[1] - cost.verify_ms[1]
             cost.root_verify_extra_ms = {n: max(cold[n] - cost.verify_ms[n] - base, 0.0) for n in cold}
         plans = {}
+        shared_s = time.perf_counter() - t_start  # the calibration and verification timings serve every size
         for b in batch_sizes:
+            t_b = time.perf_counter()
             on_threads_of(b)
             at_b = self.cost_for(draft, b)
             at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
@@ -711,14 +894,17 @@ class Planner:
             )
             at_b.overhead_per_node_ms = max(wide - small, 0.0) / (max_tree_nodes(list(OVERHEAD_TREE)) - 1)
             at_b.overhead_ms = max(small - at_b.overhead_per_node_ms, 0.0)
-            plans[b] = plan_tree(at_b, alpha)
-            if b == 1:  # the near-ties timed on real steps (the batched decoder's are left to the model)
-
-                def time_step(tree, rnd, cost=at_b):
-                    prompt = self.prompts[rnd % len(self.prompts)]
-                    return measure_step_ms(
-                        self.target, draft, rule_obj, prompt, settings, cost, tree, warmup=rnd == 0
-                    )
-
-                plans[b] = settle_by_steps(rank_trees(at_b, alpha), time_step, at_b.target(1))
+            ranked = rank_trees(at_b, alpha)
+            if b == 1:  # always settled on real decodes: the candidates and the best chain, AR alongside
+                decode = _CalibrationDecodes(self.target, draft, rule_obj, self.prompts, settings)
+                rounds = max(2, min(SETTLE_PROMPTS, len(self.prompts)))
+                plans[b] = settle_by_decoding(ranked, decode, rounds)
+            elif ranked[0].speedup > 1.0:  # speculation planned at this size: settled on real batched steps
+                decode = _BatchedCalibrationDecodes(
+                    self.target, draft, rule_obj, self.prompts, settings, rows=b
+                )
+                plans[b] = settle_by_decoding(ranked, decode, BATCH_SETTLE_ROUNDS, most=BATCH_SETTLE_MOST)
+            else:  # the model says do not speculate here: left to it (and to the scheduler's online model)
+                plans[b] = ranked[0]
+            plans[b].startup_s = shared_s + time.perf_counter() - t_b
         return plans

@@ -322,6 +322,7 @@ def bench_pair(
             label: {"target_ms": c.target_ms, "draft_ms": c.draft_ms}
             for label, c in plan.costs(drafts).items()
         }
+        rows[0].stats["planner_init_s"] = plan.init_s
     return rows
 
 
@@ -554,17 +555,29 @@ def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
     planned = [r for r in rows if r.stats.get("plan")]
     if planned:
         lines += [
-            "tree=auto: the planner's choice, predicted against measured (same run).",
+            "tree=auto: the planner's choice, predicted against measured (same run). Predicted: decoded on the "
+            "planner's calibration prompts (the near-tied candidates and the best chain, AR alongside), the product "
+            "model's own figure in brackets; start-up: the seconds the planner spent on the plan.",
             "",
-            "| T | row | predicted tau | measured tau | predicted speedup | measured speedup |",
-            "|---|---|---|---|---|---|",
+            "| T | row | predicted tau | measured tau | predicted speedup | measured speedup | candidates decoded "
+            "| planner start-up |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in planned:
             pl = r.stats["plan"]
-            lines.append(
-                f"| {r.temperature:g} | {r.label} | {pl['tau']:.2f} | {_fmt(r.tau)} | {pl['speedup']:.2f} "
-                f"| {_fmt(r.speedup)} |"
+            model_tau, model_speedup = pl.get("tau_model"), pl.get("speedup_model")
+            tau = f"{pl['tau']:.2f}" + (f" ({model_tau:.2f})" if model_tau is not None else "")
+            speedup = f"{pl['speedup']:.2f}" + (
+                f" ({model_speedup:.2f})" if model_speedup is not None else ""
             )
+            decoded = ", ".join(f"{c['tree']} {c['speedup']:.2f}x" for c in pl.get("candidates", [])) or "-"
+            lines.append(
+                f"| {r.temperature:g} | {r.label} | {tau} | {_fmt(r.tau)} | {speedup} | {_fmt(r.speedup)} "
+                f"| {decoded} | {pl.get('startup_s', 0.0):.1f} s |"
+            )
+        init_s = rows[0].stats.get("planner_init_s")
+        if init_s is not None:
+            lines.append(f"\nPlanner start-up before any plan (the target's forward table): {init_s:.1f} s.")
         lines.append("")
     return lines
 

@@ -1,8 +1,10 @@
 """decode.tree=auto end to end on the micro world: the server plans its tree per batch-size bucket at start-up
-(cost model, calibration on the data's eval split), serves with it, and the greedy output is still the target's
-own greedy output."""
+(cost model, calibration on the data's eval split, the batch-1 plan settled on real decodes of those prompts),
+serves with it, and the greedy output is still the target's own greedy output."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -42,6 +44,10 @@ def test_server_plans_its_tree_and_stays_exact(paths, capsys):
         # greedy rows planned at T = 0, sampled rows at T = 1 (decode's temperature is 0)
         for t in (0, 1):
             assert all(f"tree=auto (resispec, T={t}, batch {b})" in printed for b in (1, 2, 4)), printed
+        # batch 1 is settled on real decodes of the calibration prompts, a chain among the candidates
+        ones = [line for line in printed.splitlines() if "batch 1)" in line]
+        assert len(ones) == 2 and all("measured on calibration" in line for line in ones), printed
+        assert all(re.search(r"decoded .*\[1(, 1)*\] \d", line) for line in ones), printed
         engine = app.state.server.worker.engine
         assert sorted(engine.trees_by_batch) == sorted(engine.greedy_trees_by_batch) == [1, 2, 4]
         assert list(engine.decoder.shape) == engine.greedy_trees_by_batch[1]  # decode's temperature: 0
