@@ -176,9 +176,28 @@ def _load_records(data: DataConfig, split: str) -> datasets.Dataset:
         ) from None
 
 
+class ChatTemplateMissingError(UserError, ValueError):
+    """A chat dataset (hub name or dataset folder) with a tokenizer that has no chat template."""
+
+
+def _check_chat_template(data: DataConfig, tokenizer, columns: list[str]) -> None:
+    """Chat `messages` from a hub / folder dataset need the model's chat template (a local JSONL file falls back to
+    plain text on purpose): without one the prompts would silently take a format the model never saw."""
+    chat = data.messages_field in columns or "conversations" in columns
+    jsonl = data.source.endswith((".jsonl", ".json"))
+    if chat and not jsonl and not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or "the target's"
+        raise ChatTemplateMissingError(
+            f"data.source={data.source!r} holds chat conversations ({data.messages_field!r}) but the tokenizer of "
+            f"{name!r} has no chat template; use the model's chat (-Instruct) checkpoint, whose tokenizer carries "
+            "one, or a local JSONL source (data.source=path.jsonl), which joins the turns as plain text"
+        )
+
+
 def record_prompts(data: DataConfig, tokenizer, split: str) -> datasets.Dataset:
     """Prompts from a local JSONL or hub dataset; prompts that leave no room for a response are dropped."""
     rows = _load_records(data, split)
+    _check_chat_template(data, tokenizer, rows.column_names)
     num = _num_prompts(data, split)
     rows = rows.select(range(min(len(rows), _source_rows(num))))
     out = rows.map(lambda r: _record_to_prompt(data, tokenizer, r), remove_columns=rows.column_names)

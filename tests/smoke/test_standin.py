@@ -262,3 +262,32 @@ def test_bad_standin_requests_are_one_line_and_write_nothing(overrides, says, tm
     assert lines[-1].startswith("error: standin=true: ") and says in lines[-1], proc.stderr[-2000:]
     assert not cache.exists() or not any(cache.iterdir())  # nothing built, nothing half-written
     assert not (run_dir / "draft").exists()
+
+
+def test_a_chat_dataset_with_a_tokenizer_without_chat_template_is_one_line(standin_built, tmp_path):
+    """The stand-in's ultrachat-shaped folder with a model whose tokenizer has no chat template (a base model
+    where the recipe needs the -Instruct one): exit 2 with one line, no regenerated data written."""
+    paths = standin_built("llama3")
+    base = tmp_path / "base"
+    shutil.copytree(paths.target_dir, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    cache = tmp_path / "data_cache"
+    proc = _run(
+        [
+            "train/generate.py",
+            "+recipe=llama3",
+            f"target.path={base}",
+            f"draft.path={base}",
+            f"data.source={paths.data_dir}",
+            f"data.cache_dir={cache}",
+            "data.num_train_prompts=2",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ]
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("error: ") and "has no chat template" in last, proc.stderr[-2000:]
+    assert not cache.exists() or not any(cache.glob("regen-*"))
