@@ -637,3 +637,22 @@ def test_decode_config_tree_auto_and_validation():
     for bad in ("wide", [], [2, 0], [1.5], [True]):
         with pytest.raises(UserError, match="decode.tree"):
             DecodeConfig(tree=bad)
+
+
+def test_bench_report_keeps_the_plan_table_with_start_up():
+    """The bench's predicted-against-measured table of the tree=auto rows: the plan's figures as decoded on the
+    calibration (the model's in brackets), the candidates decoded, and the planner's start-up, per plan and before
+    any plan."""
+    from resispec.serving.bench import BenchRow, breakdown_markdown
+
+    ar = BenchRow("ar", 1.0, tau=1.0, speedup=1.0, stats={"planner_init_s": 1.25})
+    plan = _plan([1, 1, 1], 150.0, 2.4)
+    plan = replace(plan, measured=True, tau_model=2.6, speedup_model=1.62, startup_s=7.5, speedup=1.5)
+    plan.candidates = [{"tree": [2, 1, 1], "speedup": 1.41}, {"tree": [1, 1, 1], "speedup": 1.5}]
+    row = BenchRow(
+        "spec", 1.0, "d", "resispec", "auto[1,1,1]", tau=2.35, speedup=1.46, stats={"plan": plan.as_dict()}
+    )
+    text = "\n".join(breakdown_markdown([ar, row]))
+    assert "| 1 | resispec auto[1,1,1] (d) | 2.40 (2.60) | 2.35 | 1.50 (1.62) | 1.46 " in text
+    assert "| [2, 1, 1] 1.41x, [1, 1, 1] 1.50x | 7.5 s |" in text
+    assert "Planner start-up before any plan (the target's forward table): 1.2 s." in text
