@@ -11,7 +11,8 @@ read; a local folder holding only config.json works), reads the sharding from an
 | gradients | trainable x 4; / P when gradients are sharded (FSDP, ZeRO-2/3) |
 | optimizer | AdamW: trainable x 8 (two float32 moments); / P when sharded (FSDP, ZeRO-1/2/3); 0 when offloaded |
 | cached top-K | one batch of the cached signal: B x T x K x (4 + 8) (float32 log-probs, int64 ids, as the loss reads them) |
-| activations | per process (train.batch_size rows of data.seq_len tokens, not divided by P): the draft's saved activations, B x T x (6h + 2 kv + 4 I) per layer in the compute dtype (SDPA attention: no T x T scores), plus 3 float32 [B, T, V] tensors for the loss and the draft's logits; with an online target, its logits (dtype + float32 copy) and one layer's transient activations |
+| activations | per process (train.batch_size rows of data.seq_len tokens, not divided by P): the draft's saved activations, B x T x (6h + 2 kv + 4 I) per layer in the compute dtype (SDPA attention: no T x T scores), plus its final hidden states; with an online target, one layer's transient activations |
+| loss | the chunked loss (resispec.losses.distill_loss_rows) over N = B x min(data.regen.max_new_tokens, T - 1) response positions: the draft's hidden rows and their gradient [N, h] float32, the online target's rows [N, h_t], the LM head's gradient accumulator [V, h] float32 (full training), and one chunk's working set, LOSS_CHUNK_COPIES float32 [loss.chunk_size, V] |
 
 These are estimates of the steady state: allocator fragmentation, the CUDA context (~0.5-1 GiB), FSDP's
 unsharded layer during compute and communication buffers come on top. The parameter counts are exact.
@@ -24,7 +25,12 @@ from pathlib import Path
 
 import torch
 
+from resispec.errors import UserError
+
 GIB = 2**30
+# float32 [chunk, V] tensors alive at the peak of one chunk of the loss (logits of both sides, their log-probs,
+# exp, the KL's products, the logits' gradient, ...): measured on fkl with resispec.analysis.loss_memory
+LOSS_CHUNK_COPIES = 9
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 2}
 
 
@@ -156,6 +162,8 @@ def plan_memory(
     seq_len: int,
     target_signal: str,
     cached_top_k: int,
+    response_len: int | None = None,
+    chunk_size: int = 256,
 ) -> MemoryPlan:
     """The per-device bytes of one training step (see the module docstring for each row)."""
     p = max(1, sharding.num_processes)
@@ -168,15 +176,21 @@ def plan_memory(
     online = target_signal == "online"
     sharded = lambda on: f" / {p} (sharded)" if on and p > 1 else ""  # noqa: E731
     per_layer = b * t * (6 * draft.hidden + 2 * draft.kv_dim + 4 * draft.intermediate) * act
-    draft_act = draft.layers * per_layer + b * t * draft.vocab * (act + 3 * 4)
-    target_act = b * t * target.vocab * (bt + 4) + b * t * (4 * target.hidden + 3 * target.intermediate) * bt
+    draft_act = draft.layers * per_layer + b * t * draft.hidden * (act + 4)
+    target_act = b * t * (4 * target.hidden + 3 * target.intermediate) * bt
+    n_rows = b * min(response_len or t, t - 1)  # response positions: the loss's rows
+    chunk = min(chunk_size or n_rows, n_rows)
+    head_grad = 0 if lora else draft.vocab * draft.hidden * 4
+    loss_bytes = n_rows * draft.hidden * 8 + head_grad + LOSS_CHUNK_COPIES * chunk * draft.vocab * 4
+    loss_bytes += n_rows * target.hidden * bt if online else 0
 
     target_note = f"{target.params / 1e9:.2f}B params in {target_dtype}, replicated (frozen, not wrapped)"
     draft_note = f"{draft.params / 1e9:.3f}B params" + (" (LoRA base frozen)" if lora else ", float32 master")
     draft_note += sharded(sharding.params) + (" offloaded" if sharding.offload_params else "")
     optim_note = "AdamW, 2 float32 moments" + sharded(sharding.optimizer)
     optim_note += " offloaded to CPU" if sharding.offload_optimizer else ""
-    act_note = f"batch {b} x seq {t} per process; draft {draft.layers} layers + [B,T,V] loss tensors"
+    act_note = f"batch {b} x seq {t} per process; draft {draft.layers} layers"
+    loss_note = f"{n_rows} response positions in chunks of {chunk} x V={draft.vocab}"
     plan = MemoryPlan(sharding)
     plan.rows = [
         (
@@ -203,7 +217,159 @@ def plan_memory(
         (
             "activations",
             draft_act + (target_act if online else 0),
-            act_note + ("; target logits" if online else ""),
+            act_note + ("; target's layer transient" if online else ""),
         ),
+        ("loss", loss_bytes, loss_note),
     ]
     return plan
+
+
+def shape_of(model: torch.nn.Module, lora: bool = False) -> ModelShape:
+    """The ModelShape of a loaded (or meta) model: the plan of the models a run holds."""
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    adapter = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) if lora else 0
+    return ModelShape(
+        params, text.hidden_size, text.num_hidden_layers, text.intermediate_size, kv_heads * head_dim,
+        text.vocab_size, adapter,
+    )  # fmt: skip
+
+
+class MemoryPlanError(UserError, ValueError):
+    """The planned per-device memory exceeds the device's (distillation refuses to start unless forced)."""
+
+
+def check_fits(plan: MemoryPlan, device: torch.device, force: bool = False) -> None:
+    """On a CUDA device, refuse (MemoryPlanError, one line) a plan over the device's total memory, unless
+    `force` (train.force_memory=true). Other devices: nothing to check against."""
+    if device.type != "cuda" or force:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if plan.total > total:
+        raise MemoryPlanError(
+            f"the memory plan needs {plan.total / GIB:.1f} GiB per device, this GPU has {total / GIB:.1f} GiB "
+            f"({plan.sharding.label}); lower train.batch_size or data.seq_len, shard with FSDP "
+            "(recipes/accelerate/fsdp.yaml), or set train.force_memory=true to try anyway"
+        )
+
+
+def sharding_of(accelerator) -> Sharding:
+    """The Sharding of a live accelerate run (what `sharding_from_accelerate_config` reads from its file)."""
+    kind, n = accelerator.distributed_type.value, accelerator.num_processes
+    mp = str(getattr(accelerator.mixed_precision, "value", accelerator.mixed_precision) or "no")
+    if kind == "FSDP":
+        strategy = str(getattr(accelerator.state.fsdp_plugin, "sharding_strategy", "FULL_SHARD"))
+        full = "FULL" in strategy or "HYBRID" in strategy
+        some = "NO_SHARD" not in strategy
+        return Sharding(f"FSDP x{n}", n, full, some, some, mixed_precision=mp)
+    if kind == "DEEPSPEED":
+        stage = int(getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) or 0)
+        return Sharding(
+            f"DeepSpeed ZeRO-{stage} x{n}", n, stage >= 3, stage >= 2, stage >= 1, mixed_precision=mp
+        )
+    return Sharding(f"DDP x{n} (replicated)" if n > 1 else "single device", n, mixed_precision=mp)
+
+
+def run_plan(job, accelerator, target: torch.nn.Module, draft: torch.nn.Module) -> MemoryPlan:
+    """The plan of a distillation job with its loaded models (before the draft's float32 master copy)."""
+    lora = job.draft.adapter == "lora"
+    name = lambda m: str(next(m.parameters()).dtype).removeprefix("torch.")  # noqa: E731
+    return plan_memory(
+        shape_of(target),
+        shape_of(draft, lora),
+        sharding_of(accelerator),
+        target_dtype=name(target),
+        draft_dtype=name(draft),
+        lora=lora,
+        batch_size=job.train.batch_size,
+        seq_len=job.data.seq_len,
+        target_signal=job.train.target_signal,
+        cached_top_k=job.train.cached_top_k,
+        response_len=job.data.regen.max_new_tokens,
+        chunk_size=job.loss.chunk_size,
+    )
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+class _SyntheticRows:
+    """Packed-data stand-in of one shape: every row seq_len tokens, the last `response` of them the response."""
+
+    def __init__(self, rows: int, seq_len: int, response: int, vocab: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (rows, seq_len), generator=g)
+        self.loss_mask = torch.zeros(rows, seq_len, dtype=torch.long)
+        self.loss_mask[:, seq_len - response :] = 1
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, idx):
+        ids = self.ids[idx]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": self.loss_mask[idx]}
+
+
+def measure_step(job) -> dict:
+    """One real distillation step (the loop's `_train_step`: draft forward, online target forward, chunked loss,
+    backward, AdamW step) of `job`'s models on this machine's CPU, on synthetic rows of the plan's shape
+    (train.batch_size rows of data.seq_len tokens, the last min(data.regen.max_new_tokens, seq_len - 1) the response).
+    Linux only. Returns {measured_gib, predicted_gib, plan rows, step_s}: measured = the process's peak resident
+    memory during setup's model load and the step, minus its resident memory before the models loaded."""
+    import dataclasses
+    import time
+    from types import SimpleNamespace
+
+    from resispec.training import loop
+
+    torch.set_num_threads(max(1, job.train.num_threads or torch.get_num_threads()))
+    # one micro-batch, one optimizer step: the peak of a step (the AdamW moments are allocated at the first one)
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, grad_accum=1, max_steps=1))
+    base = _status_kib("VmRSS")
+    accelerator = loop._make_accelerator(job)
+    target, draft, _tok = _load_pair(job)
+    plan = run_plan(job, accelerator, target, draft)
+    draft, optimizer, scheduler, _ = loop._prepare_draft(accelerator, job, draft)
+    seq = job.data.seq_len
+    response = min(job.data.regen.max_new_tokens, seq - 1)
+    vocab = min(target.config.vocab_size, draft.config.vocab_size if hasattr(draft, "config") else 10**9)
+    packed = _SyntheticRows(job.train.batch_size, seq, response, vocab)
+    run = SimpleNamespace(
+        job=job,
+        accelerator=accelerator,
+        target=target,
+        draft=draft,
+        packed=packed,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state=loop.TrainerState(),
+    )
+    t0 = time.perf_counter()
+    loop._train_step(run)
+    seconds = time.perf_counter() - t0
+    peak = _status_kib("VmHWM")
+    return {
+        "measured_gib": round((peak - base) / 2**20, 3),
+        "predicted_gib": round(plan.total / GIB, 3),
+        "plan": {n: round(b / GIB, 4) for n, b, _ in plan.rows},
+        "step_s": round(seconds, 2),
+        "batch_size": job.train.batch_size,
+        "seq_len": seq,
+        "response_positions": job.train.batch_size * response,
+    }
+
+
+def _load_pair(job):
+    from resispec.models import load_pair
+
+    target, draft, tok = load_pair(job.target, job.draft, job.world)
+    target.eval().requires_grad_(False)
+    return target, draft, tok
