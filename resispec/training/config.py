@@ -39,6 +39,7 @@ class TrainConfig:
     output_dir: str | None = None  # default: the Hydra run folder
     eval_positions: int = 1024  # held-out positions for alpha / tau
     num_threads: int | None = None  # torch CPU threads during the run; None = torch's default (all cores)
+    force_memory: bool = False  # start on a GPU even when the memory plan exceeds its memory
     # collective timeout of the process group, minutes: the other ranks wait this long for the slowest one's share
     # of regeneration or of the cached target build (torch's NCCL default of 10 min kills a real recipe's run)
     process_group_timeout_min: float = 120.0

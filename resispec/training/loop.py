@@ -26,7 +26,15 @@ from tqdm.auto import tqdm
 from resispec.data.config import DataConfig
 from resispec.decoding.config import DecodeConfig
 from resispec.errors import UserError
-from resispec.losses import check_loss_config, describe_loss, distill_loss
+from resispec.losses import (
+    TargetSignal,
+    check_loss_config,
+    describe_loss,
+    distill_loss_rows,
+    loss_weights,
+    model_rows,
+    response_index,
+)
 from resispec.models.config import ModelConfig, WorldConfig
 from resispec.training import checkpoint as ckpt
 from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig
@@ -38,7 +46,7 @@ from resispec.training.distributed import (
     materialize_optimizer_state,
 )
 from resispec.training.evaluation import closed_form_rules, eval_rule, evaluate, select_positions
-from resispec.training.signal import attach_cache, build_cache, cache_key, cached_signal, online_signal
+from resispec.training.signal import attach_cache, build_cache, cache_key, cached_signal
 from resispec.training.tracking import RunLogger
 
 
@@ -224,6 +232,9 @@ def _setup(job: DistillJob) -> _Run:
         accelerator, job.world, job.target, job.draft, job.data, job.rows
     )
     export_dtype = draft.dtype  # before float32 master weights: draft/ and best/ are written in it
+    from resispec.training.memory_plan import check_fits, run_plan
+
+    check_fits(run_plan(job, accelerator, target, draft), accelerator.device, job.train.force_memory)
     packed, eval_seqs = _pack(job, train_ds, eval_ds, _pad_id(tok))
     rules = closed_form_rules(sorted({int(n) for n in job.decode.fixed_tree}))
     pick_rule = eval_rule(job.decode.rule)
@@ -429,16 +440,28 @@ def _train_step(run: _Run) -> StepStats:
 
 
 def _micro_batch_loss(run: _Run, batch: dict[str, torch.Tensor], mask: torch.Tensor):
-    """(loss, stats) of one micro-batch: draft logits [B, T, V] against the online or cached target signal."""
-    logits = run.draft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    if run.job.train.target_signal == "cached":
+    """(loss, stats) of one micro-batch: the draft's (and the online target's) logits at the response positions
+    only, against the online or cached target signal, the loss over them in chunks (resispec.losses). Rows are
+    trimmed to the batch's longest first (right padding: nothing before it changes)."""
+    from resispec.data.packing import trim_padding
+
+    acc, job = run.accelerator, run.job
+    batch = trim_padding(batch)
+    mask = mask[:, : batch["input_ids"].shape[1] - 1]  # logits at t predict token t + 1
+    index = response_index(mask, batch["input_ids"].shape[1])
+    # a sharded draft gathers its head only inside its forward: there the forward computes the rows' logits
+    fused = not is_fsdp(acc) and acc.distributed_type.value != "DEEPSPEED"
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(acc.mixed_precision))
+    draft = model_rows(run.draft, acc.unwrap_model(run.draft), batch, index, fused, half)
+    if job.train.target_signal == "cached":
         sig = cached_signal(batch)
+        sel = mask.bool()
+        sig = TargetSignal(sig.values[:, :-1][sel], sig.ids[:, :-1][sel])
     else:  # the target's forward is most of a step: it runs under the run's mixed precision as the draft's does
-        with run.accelerator.autocast():
-            sig = online_signal(run.target, batch)
-    sig.values = sig.values[:, :-1]  # drop the last position: it predicts past the sequence
-    sig.ids = None if sig.ids is None else sig.ids[:, :-1]
-    return distill_loss(logits[:, :-1], sig, mask, run.job.loss, run.job.decode)
+        with acc.autocast(), torch.no_grad():
+            sig = TargetSignal(model_rows(run.target, run.target, batch, index, True, half))
+    weights = loss_weights(mask, job.loss, job.decode)[mask.bool()]
+    return distill_loss_rows(draft, sig, weights, job.loss, job.decode)
 
 
 # ---- 3. evaluate and keep the best
