@@ -31,11 +31,11 @@ from pathlib import Path
 from resispec.errors import UserError
 from resispec.models.hub_configs import HUB_CONFIGS, shipped_config_dir, shipped_hub_names
 
-STANDIN_FORMAT = 3  # bump when the build changes in a way that invalidates cached stand-ins
+STANDIN_FORMAT = 5  # bump when the build changes in a way that invalidates cached stand-ins
 SPLITS = ("train_sft", "test_sft", "train_gen", "test_gen")
 # test_sft is both the eval split and the bench's test split of the ultrachat recipes: the bench's prompts start
-# after the eval prompt set's rows (256 prompts + margin at the recipe's defaults), so it needs more than that
-ROWS_PER_SPLIT = {"train_sft": 512, "test_sft": 400, "train_gen": 64, "test_gen": 64}
+# after the rows the eval prompt set draws from (data.num_eval_prompts + a margin), so it needs more than that
+ROWS_PER_SPLIT = {"train_sft": 512, "test_sft": 1024, "train_gen": 64, "test_gen": 64}
 # hub datasets the stand-in can replace (source name -> the split names it has)
 DATASETS = {"HuggingFaceH4/ultrachat_200k": SPLITS}
 BPE_VOCAB = 4096  # ordinary tokens learned here; the rest of the id range below the specials is filler
@@ -229,8 +229,11 @@ class StandinPaths:
     report: dict
 
 
-def _paths(root: Path, report: dict | None = None) -> StandinPaths:
-    return StandinPaths(root, root / "target", root / "draft", root / "data", report or {})
+def _paths(root: Path, digest: str, report: dict | None = None) -> StandinPaths:
+    # the dataset folder's name carries the hash: `datasets` caches a local folder's arrow files by the folder's
+    # name and its file names, not their contents, so a rebuilt stand-in under a fixed name would load stale rows
+    data = root / f"ultrachat_200k-{digest}"
+    return StandinPaths(root, root / "target", root / "draft", data, report or {})
 
 
 def standin_dir(spec: StandinSpec, cache: Path) -> Path:
@@ -241,7 +244,7 @@ def load_standin(spec: StandinSpec, cache: Path) -> StandinPaths | None:
     """The cached stand-in of this spec, or None if it has not been built."""
     root = standin_dir(spec, cache)
     report = root / "report.json"
-    return _paths(root, json.loads(report.read_text())) if report.exists() else None
+    return _paths(root, spec.hash(), json.loads(report.read_text())) if report.exists() else None
 
 
 def ensure_standin(spec: StandinSpec, cache: Path, progress: bool = True) -> StandinPaths:
@@ -261,14 +264,14 @@ def ensure_standin(spec: StandinSpec, cache: Path, progress: bool = True) -> Sta
         tmp = root.parent / f"{root.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            report = _build(spec, _paths(tmp), progress)
+            report = _build(spec, _paths(tmp, spec.hash()), progress)
             report["folder"] = str(root)
             (tmp / "report.json").write_text(json.dumps(report, indent=2))
             shutil.rmtree(root, ignore_errors=True)
             tmp.rename(root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return _paths(root, report)
+    return _paths(root, spec.hash(), report)
 
 
 # ---------------------------------------------------------------- text
@@ -284,8 +287,8 @@ def _sample_modules() -> list[tuple[str, str]]:
     return out
 
 
-def _qa_pairs(key: str, source: str) -> list[tuple[str, str, str, str]]:
-    """(name, question, answer, first source line) per documented function or class of a module: the docstring answers."""
+def _qa_pairs(key: str, source: str) -> list[tuple[str, str, str, str, str]]:
+    """(module, name, kind, answer, first source line) per documented function or class of a module: the docstring answers."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -300,33 +303,44 @@ def _qa_pairs(key: str, source: str) -> list[tuple[str, str, str, str]]:
         if not doc or len(doc) < 40:
             continue
         kind = "class" if isinstance(node, ast.ClassDef) else "function"
-        question = f"What does the {kind} `{node.name}` in the Python module `{module}` do?"
         signature = lines[node.lineno - 1].strip() if node.lineno <= len(lines) else ""
-        out.append((f"{module}.{node.name}", question, doc.strip()[:1200], signature))
+        out.append((module, node.name, kind, doc.strip()[:1200], signature))
     return out
 
 
+QUESTIONS = (
+    "What does the {kind} `{name}` in the Python module `{module}` do?",
+    "I am reading the Python module `{module}`. Can you explain what its {kind} `{name}` is for?",
+)
+
+
 def _dataset_rows() -> dict[str, list[dict]]:
-    """Rows shaped like ultrachat_200k, per split, from stdlib docstrings: a user question, the docstring as the
-    answer, and for every third row a follow-up turn (so `messages` has multi-turn conversations too)."""
-    pairs = []
+    """Rows shaped like ultrachat_200k, per split, from stdlib docstrings: a user question about a documented
+    function or class, its docstring as the answer, and for every third object a follow-up turn (so `messages` has
+    multi-turn conversations too). Each object gives one row per phrasing in QUESTIONS, all in one split, so the
+    splits share no object."""
+    objects = []
     for key, source in _sample_modules():
-        pairs.extend(_qa_pairs(key, source))
-    pairs = list({p[1]: p for p in pairs}.values())  # one row per question (methods of one name in a module)
-    pairs.sort(key=lambda p: hashlib.sha256(p[0].encode()).hexdigest())  # a fixed shuffle
+        objects.extend(_qa_pairs(key, source))
+    objects = list({o[:3]: o for o in objects}.values())  # methods of one name in one module: once
+    objects.sort(key=lambda o: hashlib.sha256("/".join(o[:3]).encode()).hexdigest())  # a fixed shuffle
     rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
-    at = 0
+    it = iter(objects)
     for split in SPLITS:
-        for name, question, answer, signature in pairs[at : at + ROWS_PER_SPLIT[split]]:
-            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-            if signature and hashlib.sha256(name.encode()).digest()[0] % 3 == 0:
-                messages += [
-                    {"role": "user", "content": "How is it defined? Show me the first line."},
-                    {"role": "assistant", "content": f"It starts with:\n\n```python\n{signature}\n```"},
-                ]
-            prompt_id = hashlib.sha256(question.encode()).hexdigest()
-            rows[split].append({"prompt": question, "prompt_id": prompt_id, "messages": messages})
-        at += ROWS_PER_SPLIT[split]
+        for module, name, kind, answer, signature in it:
+            follow_up = signature and hashlib.sha256(f"{module}.{name}".encode()).digest()[0] % 3 == 0
+            for template in QUESTIONS:
+                question = template.format(kind=kind, name=name, module=module)
+                messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+                if follow_up:
+                    messages += [
+                        {"role": "user", "content": "How is it defined? Show me the first line."},
+                        {"role": "assistant", "content": f"It starts with:\n\n```python\n{signature}\n```"},
+                    ]
+                prompt_id = hashlib.sha256(question.encode()).hexdigest()
+                rows[split].append({"prompt": question, "prompt_id": prompt_id, "messages": messages})
+            if len(rows[split]) >= ROWS_PER_SPLIT[split]:
+                break
     short = [s for s in SPLITS if len(rows[s]) < ROWS_PER_SPLIT[s]]
     if short:
         raise RuntimeError(f"stand-in dataset: too few documented stdlib objects for splits {short}")
