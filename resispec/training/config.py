@@ -17,19 +17,24 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 20
+    warmup_ratio: float = 0.0  # warmup = max(warmup_steps, this fraction of the run's steps)
     schedule: str = "cosine"  # cosine | constant
     grad_clip: float = 1.0
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 150
+    # run length: train.epochs (passes over the packed training rows, any number of processes) and/or max_steps
+    # (a cap, or the length alone); resolved in resispec/training/schedule.py
+    max_steps: int | None = 150
+    epochs: float | None = None
     batch_size: int = 8
     grad_accum: int = 1
     target_signal: str = "online"  # online | cached (top-K target log-probs + tail mass)
     cached_top_k: int = 64
     eval_every: int = 50
-    save_every: int = 50
+    num_evals: int | None = None  # evaluations over the run (evenly spaced): overrides eval_every
+    save_every: int | None = 50  # None: with every evaluation
     keep_checkpoints: int = 2
     resume: bool = False
     seed: int = 0
@@ -37,7 +42,7 @@ class TrainConfig:
     # forward and the online target's forward run under it; weights and the loss stay float32
     mixed_precision: str = "no"
     output_dir: str | None = None  # default: the Hydra run folder
-    eval_positions: int = 1024  # held-out positions for alpha / tau
+    eval_positions: int = 1024  # held-out positions for alpha / tau (sharded over the processes)
     num_threads: int | None = None  # torch CPU threads during the run; None = torch's default (all cores)
     force_memory: bool = False  # start on a GPU even when the memory plan exceeds its memory
     # collective timeout of the process group, minutes: the other ranks wait this long for the slowest one's share

@@ -89,52 +89,145 @@ def select_positions(
 
 
 @torch.no_grad()
-def _pair_logprobs(
-    target, draft, ids: Tensor, num_prompt: int, decode: DecodeConfig, device
-) -> tuple[Tensor, Tensor]:
-    """log p, log q [R, V] at the positions that predict the R response tokens of one sequence."""
+def _response_logprobs(model, ids: Tensor, num_prompt: int, decode: DecodeConfig, device) -> Tensor:
+    """log probs [R, V] (after the decode processing) at the positions predicting the R response tokens."""
     x = ids.to(device)[None]  # [1, L]
-    sl = slice(num_prompt - 1, x.shape[1] - 1)  # logits at t predict token t + 1
-    p_logits = target(input_ids=x).logits[0, sl]  # [R, V]
-    q_logits = draft(input_ids=x).logits[0, sl]
-    top_k, top_p = decode.top_k, decode.top_p
-    return (
-        log_probs(p_logits, decode.temperature, top_k, top_p),
-        log_probs(q_logits, decode.temperature, top_k, top_p),
-    )
+    logits = model(input_ids=x).logits[0, num_prompt - 1 : x.shape[1] - 1]  # logits at t predict token t + 1
+    return log_probs(logits, decode.temperature, decode.top_k, decode.top_p)
+
+
+def shard_sequences(sequences: list, rank: int, num_processes: int) -> tuple[list, int]:
+    """(this process's share of the held-out sequences, how many of them are padding): every process gets the
+    same number of sequences, because a sharded draft's forward (FSDP, ZeRO-3) is collective; the padding repeats
+    a sequence and its results are dropped."""
+    mine = list(sequences[rank::num_processes])
+    pad = -(-len(sequences) // num_processes) - len(mine)
+    return mine + [sequences[0]] * pad, pad
+
+
+@torch.no_grad()
+def target_eval_logprobs(
+    target, sequences: list[tuple[Tensor, int]], decode: DecodeConfig, show_progress: bool = False
+) -> list[Tensor]:
+    """The target's processed log probs [R, V] of each held-out sequence, on the CPU in float32: evaluation
+    without a resident target (train.target_signal=cached), identical to the online evaluation."""
+    device = next(target.parameters()).device
+    return [
+        _response_logprobs(target, ids, n, decode, device).float().cpu()
+        for ids, n in tqdm(sequences, desc="held-out target", disable=not show_progress, leave=False)
+    ]
 
 
 @torch.no_grad()
 def evaluate(
-    target: torch.nn.Module,
+    target: torch.nn.Module | None,
     draft: torch.nn.Module,
     sequences: list[tuple[Tensor, int]],  # from select_positions
     decode: DecodeConfig,
     rules: list[str] | None = None,
     chunk: int = 256,
     show_progress: bool = False,
+    target_logprobs: list[Tensor] | None = None,
 ) -> dict:
     """Held-out alpha per rule and n, per-depth acceptance, simulated tau per rule, and mean fkl.
-    Returns {"num_positions", "fkl", "alpha": {rule: {n: a}}, "per_depth": {rule: [a_d]}, "tau": {rule: t}}."""
+    Returns {"num_positions", "fkl", "alpha": {rule: {n: a}}, "per_depth": {rule: [a_d]}, "tau": {rule: t}}.
+
+    target_logprobs: the target's side precomputed (`target_eval_logprobs`, one per sequence) instead of
+    `target`. Split over processes: `evaluate_sharded`."""
     rules = closed_form_rules(sorted(set(int(n) for n in decode.fixed_tree))) if rules is None else rules
+    parts = _evaluate_part(target, draft, sequences, decode, rules, chunk, show_progress, target_logprobs)
+    return _summarise(parts, decode, rules)
+
+
+@torch.no_grad()
+def evaluate_sharded(
+    accelerator,
+    target: torch.nn.Module | None,
+    draft: torch.nn.Module,
+    sequences: list[tuple[Tensor, int]],
+    decode: DecodeConfig,
+    rules: list[str] | None = None,
+    show_progress: bool = False,
+    target_logprobs: list[Tensor] | None = None,
+) -> dict:
+    """`evaluate` with the sequences split over the processes (each runs its `shard_sequences` share; the results
+    are gathered, so every process returns the same metrics as one process over all of them, up to float
+    summation order). target_logprobs: this process's share, as `target_eval_logprobs` of its shard."""
+    rules = closed_form_rules(sorted(set(int(n) for n in decode.fixed_tree))) if rules is None else rules
+    if accelerator is None or accelerator.num_processes == 1:
+        return evaluate(
+            target,
+            draft,
+            sequences,
+            decode,
+            rules,
+            show_progress=show_progress,
+            target_logprobs=target_logprobs,
+        )
+    mine, pad = shard_sequences(sequences, accelerator.process_index, accelerator.num_processes)
+    part = _evaluate_part(target, draft, mine, decode, rules, 256, show_progress, target_logprobs)
+    part = _drop_last(part, pad)
+    gathered = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(gathered, part)
+    merged = {
+        "lengths": [n for g in gathered for n in g["lengths"]],
+        "fkl": [t for g in gathered for t in g["fkl"]],
+        "alpha": {
+            r: {n: [t for g in gathered for t in g["alpha"][r][n]] for n in part["alpha"][r]} for r in rules
+        },
+    }
+    return _summarise(merged, decode, rules)
+
+
+def _drop_last(part: dict, pad: int) -> dict:
+    """The results of all but the last `pad` sequences (the padding of `shard_sequences`)."""
+    if pad == 0:
+        return part
+    keep = len(part["lengths"]) - pad
+    return {
+        "lengths": part["lengths"][:keep],
+        "fkl": part["fkl"][:keep],
+        "alpha": {r: {n: v[:keep] for n, v in by_n.items()} for r, by_n in part["alpha"].items()},
+    }
+
+
+def _evaluate_part(target, draft, sequences, decode, rules, chunk, show_progress, target_logprobs) -> dict:
+    """Per sequence: its number of positions, fkl [R] and alpha [R] per rule and n (on the CPU)."""
     was_training = draft.training
     draft.eval()
     device = next(draft.parameters()).device
-    tree = [int(n) for n in decode.fixed_tree]
-    ns = sorted(set(tree))
+    ns = sorted(set(int(n) for n in decode.fixed_tree))
     alphas: dict[str, dict[int, list[Tensor]]] = {r: {n: [] for n in ns} for r in rules}
     rule_objs = {r: build_rule(r, decode.auto_policy) for r in rules}
     fkls, lengths = [], []
-    for ids, num_prompt in tqdm(sequences, desc="held-out alpha", disable=not show_progress, leave=False):
-        log_p, log_q = _pair_logprobs(target, draft, ids, num_prompt, decode, device)  # [R, V]
+    for i, (ids, num_prompt) in enumerate(
+        tqdm(sequences, desc="held-out alpha", disable=not show_progress, leave=False)
+    ):
+        if target_logprobs is not None:
+            log_p = target_logprobs[i].to(device)
+        else:
+            log_p = _response_logprobs(target, ids, num_prompt, decode, device)  # [R, V]
+        log_q = _response_logprobs(draft, ids, num_prompt, decode, device)
         lengths.append(log_p.shape[0])
         fkls.append(fkl(log_p, log_q).cpu())
+        per = {r: {n: [] for n in ns} for r in rules}
         for s in range(0, log_p.shape[0], chunk):  # bound the rules' [chunk, V] temporaries
             p, q = log_p[s : s + chunk].exp(), log_q[s : s + chunk].exp()
             for r in rules:
                 for n in ns:
-                    alphas[r][n].append(acceptance(rule_objs[r], p, q, n).float().cpu())
+                    per[r][n].append(acceptance(rule_objs[r], p, q, n).float().cpu())
+        for r in rules:
+            for n in ns:
+                alphas[r][n].append(torch.cat(per[r][n]) if per[r][n] else torch.zeros(0))
     draft.train(was_training)
+    return {"lengths": lengths, "fkl": fkls, "alpha": alphas}
+
+
+def _summarise(parts: dict, decode: DecodeConfig, rules: list[str]) -> dict:
+    """The metrics of `evaluate` from per-sequence results (`_evaluate_part`, possibly gathered)."""
+    tree = [int(n) for n in decode.fixed_tree]
+    ns = sorted(set(tree))
+    lengths, fkls, alphas = parts["lengths"], parts["fkl"], parts["alpha"]
     out: dict = {
         "num_positions": int(sum(lengths)),
         "fkl": torch.cat(fkls).mean().item() if fkls else float("nan"),

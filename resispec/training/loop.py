@@ -45,8 +45,16 @@ from resispec.training.distributed import (
     make_accelerator,
     materialize_optimizer_state,
 )
-from resispec.training.evaluation import closed_form_rules, eval_rule, evaluate, select_positions
-from resispec.training.signal import attach_cache, build_cache, cache_key, cached_signal
+from resispec.training.evaluation import (
+    closed_form_rules,
+    eval_rule,
+    evaluate_sharded,
+    select_positions,
+    shard_sequences,
+    target_eval_logprobs,
+)
+from resispec.training.schedule import resolve_schedule
+from resispec.training.signal import attach_cache, build_cache_sharded, cache_key, cached_signal
 from resispec.training.tracking import RunLogger
 
 
@@ -141,7 +149,7 @@ class _Run:
     job: DistillJob
     accelerator: Any  # accelerate.Accelerator
     run_dir: Path
-    target: torch.nn.Module  # frozen, never prepared (not sharded)
+    target: torch.nn.Module | None  # frozen, never prepared (not sharded); None once released (cached signal)
     draft: torch.nn.Module  # prepared: DDP / FSDP / DeepSpeed-wrapped
     tokenizer: Any
     packed: Any  # datasets.Dataset (torch format): input_ids, attention_mask, loss_mask [+ cached top-K]
@@ -154,6 +162,7 @@ class _Run:
     log: RunLogger
     param_numel: tuple[int, int]  # (held by this process, total): a shard under FSDP
     export_dtype: torch.dtype | None = None  # the draft's dtype as loaded (bf16 in the real recipes): exports
+    eval_target: list | None = None  # cached signal: the target's held-out log probs of this process's share
 
     @property
     def ckpt_root(self) -> Path:
@@ -176,7 +185,7 @@ def distill(job: DistillJob) -> DistillResult:
         torch.set_num_threads(job.train.num_threads)
     try:
         run = _setup(job)
-        train, every = job.train, job.logger.log_every
+        train, every = run.job.train, job.logger.log_every  # the resolved schedule (resolve_schedule)
         due = lambda n: (n and run.state.step % n == 0) or run.state.step == train.max_steps  # noqa: E731
         bar = tqdm(
             total=train.max_steps, initial=run.state.step, desc=f"distill {job.name}", disable=not run.is_main
@@ -236,14 +245,19 @@ def _setup(job: DistillJob) -> _Run:
 
     check_fits(run_plan(job, accelerator, target, draft), accelerator.device, job.train.force_memory)
     packed, eval_seqs = _pack(job, train_ds, eval_ds, _pad_id(tok))
+    train, optim, schedule = resolve_schedule(job.train, job.optim, len(packed), accelerator.num_processes)
+    job = dataclasses.replace(job, train=train, optim=optim)  # steps, cadences and warmup in optimizer steps
+    accelerator.print(f"[schedule] {schedule}")
     rules = closed_form_rules(sorted({int(n) for n in job.decode.fixed_tree}))
     pick_rule = eval_rule(job.decode.rule)
     if pick_rule not in rules:
         raise DistillConfigError(
             f"decode.rule {job.decode.rule!r} has no closed form to simulate tau; closed forms: {rules}"
         )
+    eval_target = None
     if job.train.target_signal == "cached":
         packed = _attach_target_cache(accelerator, job, target, packed)
+        eval_target, target = _release_target(accelerator, job, target, eval_seqs), None
 
     draft, optimizer, scheduler, param_numel = _prepare_draft(accelerator, job, draft)
     state = TrainerState()
@@ -275,6 +289,7 @@ def _setup(job: DistillJob) -> _Run:
         log,
         param_numel,
         export_dtype,
+        eval_target,
     )
     if state.before is None:
         state.before = _evaluate(run)
@@ -353,27 +368,42 @@ def _pack(job: DistillJob, train_ds, eval_ds, pad_id: int):
 
 
 def _attach_target_cache(accelerator, job: DistillJob, target, packed):
-    """The packed rows with the target's cached top-K log-probs: built once (main process), loaded by all."""
+    """The packed rows with the target's cached top-K log-probs: every process builds its share of the rows, the
+    main process merges them (build_cache_sharded); loaded by all."""
     from resispec.data import data_cache_dir
     from resispec.models import resolve_model_path
 
     target_id = resolve_model_path(job.target.path, job.world)  # names the world build (its config hash)
     key = cache_key(target_id, packed._fingerprint, job.train.cached_top_k, job.decode.temperature)
     path = data_cache_dir(job.data, job.world) / "target_topk" / key
-    build = lambda show: build_cache(  # noqa: E731
+    top_k, temperature = job.train.cached_top_k, job.decode.temperature
+    cache = build_cache_sharded(
+        accelerator,
         target,
         packed,
         path,
-        job.train.cached_top_k,
-        job.decode.temperature,
+        top_k,
+        temperature,
         job.train.batch_size,
-        accelerator.device,
-        show,
+        accelerator.is_main_process,
     )
-    if accelerator.is_main_process:
-        build(True)
-    accelerator.wait_for_everyone()
-    return attach_cache(packed, build(False))
+    return attach_cache(packed, cache)
+
+
+def _release_target(accelerator, job: DistillJob, target, eval_seqs) -> list:
+    """Cached signal: the target's last work (its held-out log probs for this process's share of the evaluation,
+    on the CPU), then drop it so the training steps run without it. The caller drops its own reference."""
+    import gc
+
+    mine = eval_seqs
+    if accelerator.num_processes > 1:
+        mine, _ = shard_sequences(eval_seqs, accelerator.process_index, accelerator.num_processes)
+    out = target_eval_logprobs(target, mine, job.decode, show_progress=accelerator.is_main_process)
+    del target
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
 
 
 def _prepare_draft(accelerator, job: DistillJob, draft):
@@ -468,9 +498,16 @@ def _micro_batch_loss(run: _Run, batch: dict[str, torch.Tensor], mask: torch.Ten
 
 
 def _evaluate(run: _Run) -> dict:
-    # the wrapped draft: under FSDP / ZeRO-3 only it can run a forward; every process evaluates the same data
-    return evaluate(
-        run.target, run.draft, run.eval_seqs, run.job.decode, run.rules, show_progress=run.is_main
+    # the wrapped draft: under FSDP / ZeRO-3 only it can run a forward; each process evaluates its share
+    return evaluate_sharded(
+        run.accelerator,
+        run.target,
+        run.draft,
+        run.eval_seqs,
+        run.job.decode,
+        run.rules,
+        show_progress=run.is_main,
+        target_logprobs=run.eval_target,
     )
 
 

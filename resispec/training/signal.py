@@ -87,6 +87,51 @@ def build_cache(
     return datasets.load_from_disk(str(path)).with_format("torch")
 
 
+def build_cache_sharded(
+    accelerator,
+    target: torch.nn.Module,
+    packed,
+    path: Path,
+    top_k: int,
+    temperature: float,
+    batch_size: int,
+    show_progress: bool = True,
+):
+    """`build_cache` with every process building its contiguous share of the rows (`path`.shard-R-of-P), then the
+    main process concatenating the shares in rank order into `path`: the same dataset as one process's build,
+    written atomically, with build.json saying who built which rows. Every process returns the loaded cache."""
+    import datasets
+
+    from resispec.training.checkpoint import sync_flag
+
+    if not sync_flag(accelerator, path.exists()):  # the main process decides: the folder may appear meanwhile
+        n, world, rank = len(packed), accelerator.num_processes, accelerator.process_index
+        bounds = [(r * n // world, (r + 1) * n // world) for r in range(world)]
+        shards = [path.with_name(f"{path.name}.shard-{r}-of-{world}") for r in range(world)]
+        lo, hi = bounds[rank]
+        args = (top_k, temperature, batch_size, accelerator.device)
+        if hi > lo:
+            build_cache(target, packed.select(range(lo, hi)), shards[rank], *args, show_progress)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process and not path.exists():
+            parts = [
+                datasets.load_from_disk(str(s)) for s, (a, b) in zip(shards, bounds, strict=True) if b > a
+            ]
+            merged = datasets.concatenate_datasets(parts)
+            tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            merged.save_to_disk(str(tmp))
+            build = {"num_processes": world, "rows": n, "rows_by_process": [hi - lo for lo, hi in bounds]}
+            (tmp / "build.json").write_text(json.dumps(build))
+            del merged
+            os.replace(tmp, path)
+        if accelerator.is_main_process:
+            for shard in shards:
+                shutil.rmtree(shard, ignore_errors=True)
+        accelerator.wait_for_everyone()
+    return datasets.load_from_disk(str(path)).with_format("torch")
+
+
 def attach_cache(packed, cache):
     """The packed rows with the cached columns alongside (same row order)."""
     import datasets

@@ -52,3 +52,24 @@ def test_export_backend_defaults_to_the_machine(monkeypatch, cuda):
     spec.loader.exec_module(script)
     assert script.main(["--draft", "d", "--out", "o"]) == 1
     assert seen["backend"] == ("vllm-flash-attn" if cuda else "vllm-cpu")
+
+
+def test_a_run_set_in_epochs_on_the_micro_pair(pair, tmp_path):  # noqa: F811
+    """train.epochs without max_steps: 24 packed rows at 4 x 2 accumulated = 3 steps an epoch; 2 evaluations
+    evenly spaced, a checkpoint with each (save_every None)."""
+    train = TrainConfig(
+        num_threads=1,
+        epochs=2,
+        max_steps=None,
+        batch_size=4,
+        grad_accum=2,
+        num_evals=2,
+        save_every=None,
+        eval_positions=30,
+    )
+    result = run_distill(pair, tmp_path / "run", train=train, wandb="offline")
+    assert result.steps == 6 and len(result.metrics["losses"]) == 6
+    history = [json.loads(line) for line in (result.output_dir / "history.jsonl").read_text().splitlines()]
+    assert sorted({h["step"] for h in history if any(k.startswith("eval/") for k in h)}) == [3, 6]
+    steps = sorted(p.name for p in (result.output_dir / "checkpoints").iterdir())
+    assert steps == ["step_0000003", "step_0000006"]

@@ -4,6 +4,7 @@ schedule in epochs, export dtype and backend, and the default batches against th
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,99 @@ def test_deepspeed_prepare_runs_on_one_cpu_process(stage, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "prepared DEEPSPEED DeepSpeedEngine" in out.stdout
+
+
+# ---------------------------------------------------------------- 4. the schedule, 8. defaults that fit
+
+REAL_RECIPES = ("llama3", "llama3_lora", "qwen3")
+
+
+def compose_recipe(recipe: str, *overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from resispec.config import register_configs, to_typed
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return to_typed(compose(config_name="distill", overrides=[f"+recipe={recipe}", *overrides]))
+
+
+def test_schedule_in_epochs_does_not_scale_with_the_gpu_count():
+    from resispec.training.config import OptimConfig, TrainConfig
+    from resispec.training.schedule import resolve_schedule
+
+    train = TrainConfig(epochs=2, max_steps=None, batch_size=2, grad_accum=16, num_evals=8, save_every=None)
+    optim = OptimConfig(warmup_steps=0, warmup_ratio=0.05)
+    one, opt_one, _ = resolve_schedule(train, optim, 64000, 1)
+    eight, opt_eight, text = resolve_schedule(train, optim, 64000, 8)
+    assert (one.max_steps, eight.max_steps) == (4000, 500)  # the same 2 epochs
+    assert (one.eval_every, eight.eval_every) == (500, 63) and eight.save_every == eight.eval_every
+    assert (opt_one.warmup_steps, opt_eight.warmup_steps) == (200, 25)
+    assert "2.00 epochs" in text
+    capped, _, _ = resolve_schedule(dataclasses.replace(train, max_steps=20), optim, 64000, 8)
+    assert capped.max_steps == 20  # max_steps caps an epoch-based run (the stand-in's short runs)
+    old = TrainConfig(max_steps=150)  # a step-based run (the tiny world) is unchanged
+    assert resolve_schedule(old, OptimConfig(), 256, 2)[0] == old
+
+
+def test_schedule_without_a_length_is_one_line():
+    from resispec.training.config import OptimConfig, TrainConfig
+    from resispec.training.schedule import ScheduleError, resolve_schedule
+
+    with pytest.raises(ScheduleError, match="train.epochs"):
+        resolve_schedule(TrainConfig(max_steps=None), OptimConfig(), 10, 1)
+
+
+@pytest.mark.parametrize("recipe", REAL_RECIPES)
+def test_real_recipes_run_a_few_epochs_and_pick_on_16k_positions(recipe):
+    """Before: 4000 steps x 8 x 4 x 8 GPUs = ~51 epochs of 20k prompts; the best checkpoint picked on 1024
+    positions."""
+    from resispec.training.schedule import resolve_schedule
+
+    c = compose_recipe(recipe)
+    assert c.train.eval_positions >= 16384
+    assert c.data.num_train_prompts * c.data.regen.max_new_tokens >= 16384
+    for gpus in (1, 8):
+        train, _, _ = resolve_schedule(c.train, c.optim, c.data.num_train_prompts, gpus)
+        epochs = train.max_steps * train.batch_size * train.grad_accum * gpus / c.data.num_train_prompts
+        assert 1 <= epochs <= 3, (gpus, epochs)
+
+
+def _launch_configs():
+    return sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", REAL_RECIPES)
+def test_real_recipe_defaults_fit_80_gib_with_every_launch_config(recipe):
+    """Before: llama3 at batch 8 x 2048 planned ~97 GiB per device (DDP / one GPU), ~81 GiB under FSDP x8."""
+    from resispec.models.hub_configs import shipped_config_dir
+    from resispec.training.memory_plan import GIB, model_shape, plan_memory, sharding_from_accelerate_config
+
+    c = compose_recipe(recipe)
+    lora = c.draft.adapter == "lora"
+    target = model_shape(str(shipped_config_dir(c.target.path)))
+    draft = model_shape(
+        str(shipped_config_dir(c.draft.path)),
+        lora_r=c.draft.lora.r if lora else 0,
+        lora_targets=tuple(c.draft.lora.target_modules),
+    )
+    over = []
+    for launch in [None, *_launch_configs()]:
+        sharding = sharding_from_accelerate_config(launch)
+        sharding = dataclasses.replace(sharding, mixed_precision=c.train.mixed_precision)
+        for signal in ("online", "cached"):
+            plan = plan_memory(
+                target,
+                draft,
+                sharding,
+                target_dtype=c.target.dtype,
+                draft_dtype=c.draft.dtype,
+                lora=lora,
+                batch_size=c.train.batch_size,
+                seq_len=c.data.seq_len,
+                target_signal=signal,
+                cached_top_k=c.train.cached_top_k,
+            )
+            if plan.total > 80 * GIB:
+                over.append(f"{getattr(launch, 'name', 'one device')} {signal}: {plan.total / GIB:.1f} GiB")
+    assert not over, over
