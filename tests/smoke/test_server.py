@@ -285,7 +285,14 @@ def test_metrics_counters_increase(client):
         d["resispec:time_to_first_token_seconds_count"] == 1
         and d["resispec:e2e_request_latency_seconds_count"] == 1
     )
-    assert _metric(after, "resispec:spec_decode_num_accepted_tokens_per_pos_total", position="0") >= 0
+    # per position: a draft token at depth d+1 is accepted only if depth d was, so the counts never grow with depth
+    per_pos = [
+        _metric(after, "resispec:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+        - _metric(before, "resispec:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+        for i in range(len(TREE))
+    ]
+    assert per_pos == sorted(per_pos, reverse=True), per_pos
+    assert sum(per_pos) == d["resispec:spec_decode_num_accepted_tokens_total"]
     assert re.search(r'resispec:request_success_total\{finished_reason="length"', client.get("/metrics").text)
 
 
@@ -339,11 +346,10 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
             for line in r.iter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                     break  # got some text: hang up now
-    t0 = time.time()
-    # the next request is served at once, not after the abandoned generation
+    # the next request is served, and the abandoned generation stops early (fewer tokens than asked, below)
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2})
     assert r.status_code == 200
-    deadline = time.time() + 20
+    deadline = time.time() + 60  # a poll, not a speed bound: the abort is counted within a few steps
     while time.time() < deadline:
         m = _metrics(client)
         if _metric(m, "resispec:request_success_total", finished_reason="abort") > _metric(
@@ -360,7 +366,6 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
     )
     assert generated < max_tokens  # the generation stopped early
     assert _metric(m, "resispec:num_requests_running") == 0
-    assert time.time() - t0 < 20
 
 
 def test_bench_load_test_mode(server):
@@ -371,4 +376,5 @@ def test_bench_load_test_mode(server):
     res = run_load_test(server, PROMPTS, bench, api_key=KEY, show=False)
     assert res.num_ok == 8 and res.num_failed == 0 and res.model == MODEL
     assert res.completion_tokens <= 8 * 8 and res.tokens_per_second > 0
-    assert res.latency_p50 <= res.latency_p95 and res.server_tau is not None and res.server_tau >= 1.0
+    assert res.latency_p50 <= res.latency_p95 and res.server_tau is not None
+    assert 1.0 <= res.server_tau <= 1 + len(TREE)  # tokens per verify forward: at most every level accepted

@@ -202,9 +202,23 @@ def _check_error(r, status, param=...):
     return err
 
 
-def _next_ok(client):
+def _next_ok(client) -> float:
+    """A valid request on the same connection is served; -> its seconds."""
+    t0 = time.perf_counter()
     r = client.post(C, json=OK)
+    took = time.perf_counter() - t0
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    return took
+
+
+def _answered_quickly(took: float, client, factor: float = 10.0) -> None:
+    """A rejected request costs no more than `factor` valid small requests (OK: a short generation) on the same
+    machine at the same moment: a ratio, so a 3x slower or loaded machine scales both sides, while a request
+    that was processed (a million-token prompt encoded and run, a 3 MB body read whole) would not be."""
+    reference = _next_ok(client)
+    assert took < factor * reference + 0.5, (
+        f"answered in {took:.2f} s; a valid request takes {reference:.2f} s"
+    )
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
@@ -214,9 +228,8 @@ def test_hostile_input_is_4xx_and_the_connection_keeps_serving(conn, case):
     r = _post(conn, path, body)
     took = time.perf_counter() - t0
     _check_error(r, status, param)
-    assert took < 5, f"answered in {took:.1f} s"
     assert r.headers.get("connection") != "close"  # a 4xx keeps the connection
-    _next_ok(conn)
+    _answered_quickly(took, conn)  # the connection keeps serving, and the rejection cost less than serving
 
 
 def test_failed_requests_are_not_counted_as_aborts(conn):
@@ -263,8 +276,7 @@ def test_a_million_token_ids_are_answered_quickly(conn):
     body = b'{"model":"micro","prompt":[' + b"1," * 1_000_000 + b"1]}"  # just under the 2 MiB body limit
     t0 = time.perf_counter()
     _check_error(_post(conn, C, body), 400, "prompt")
-    assert time.perf_counter() - t0 < 10
-    _next_ok(conn)
+    _answered_quickly(time.perf_counter() - t0, conn, factor=20.0)
 
 
 def test_auth_edge_cases(server, conn):
@@ -292,7 +304,7 @@ def test_body_over_limit_is_413_at_once(conn):
     body = b'{"model":"micro","prompt":"' + b"a" * (3 * 1024 * 1024) + b'"}'
     t0 = time.perf_counter()
     r = _post(conn, C, body)
-    assert time.perf_counter() - t0 < 5
+    took = time.perf_counter() - t0
     err = _check_error(r, 413)
     assert err["code"] == "body_too_large" and r.headers["connection"] == "close"
 
@@ -302,7 +314,7 @@ def test_body_over_limit_is_413_at_once(conn):
 
     r = conn.post(C, content=chunks(), headers={"Content-Type": "application/json"})
     _check_error(r, 413)
-    _next_ok(conn)  # httpx reconnects after Connection: close
+    _answered_quickly(took, conn)  # httpx reconnects after Connection: close
 
 
 def test_openapi_documents_what_is_sent(conn):
@@ -363,10 +375,14 @@ def test_large_prompt_does_not_stall_a_stream(server, conn):
                 times.append(time.perf_counter())
     thread.join(60)
     gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
-    assert result["status"] == 400 and result["seconds"] < 10, result
-    assert gaps[-1] < 2.0, f"max gap {gaps[-1]:.2f} s (median {gaps[len(gaps) // 2]:.3f} s)"
-    t0 = time.perf_counter()
-    assert conn.get("/health").status_code == 200 and time.perf_counter() - t0 < 2
+    assert result["status"] == 400, result
+    # ratios, not seconds: a stalled stream would wait out the big request's whole handling (its gap ~ its
+    # seconds); a stream that keeps going has gaps of a few token steps, on a fast or a 3x slower machine
+    median = gaps[len(gaps) // 2]
+    assert gaps[-1] < max(0.5 * result["seconds"], 30 * median), (
+        f"max gap {gaps[-1]:.2f} s (median {median:.3f} s; the big request took {result['seconds']:.2f} s)"
+    )
+    assert conn.get("/health").status_code == 200
 
 
 # ---------------------------------------------------------------- log-probs

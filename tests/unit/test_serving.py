@@ -48,8 +48,11 @@ class CharTokenizer:
 class FakeEngine:
     """Emits prompt[-1]+1, +2, ... (mod 12) in chunks of 3, `delay` seconds per chunk; records what it ran."""
 
-    def __init__(self, delay: float = 0.0, fail_on: int | None = None) -> None:
-        self.delay, self.fail_on = delay, fail_on
+    def __init__(
+        self, delay: float = 0.0, fail_on: int | None = None, gate: threading.Event | None = None
+    ) -> None:
+        """gate: every generation waits for it before its first chunk (a queue that fills whatever the clock)."""
+        self.delay, self.fail_on, self.gate = delay, fail_on, gate
         self.last_stats = None
         self.started: list[list[int]] = []
         self.closed_after: list[int] = []
@@ -60,6 +63,8 @@ class FakeEngine:
         def gen():
             n = 0
             try:
+                if self.gate is not None:
+                    assert self.gate.wait(60), "the test never opened the gate"
                 while n < params.max_new_tokens:
                     if self.fail_on is not None and prompt_ids[-1] == self.fail_on:
                         raise RuntimeError("engine exploded")
@@ -218,20 +223,30 @@ def test_errors_are_openai_shaped_and_server_keeps_serving(serve_fake):
 
 
 def test_requests_queue_to_one_worker_and_full_queue_is_503(serve_fake):
-    engine = FakeEngine(delay=0.05)
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
     url = serve_fake(engine, max_queue=3)
 
     async def main():
-        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
             body = {"model": "m", "prompt": "a", "max_tokens": 6}
-            return await asyncio.gather(
-                *(c.post("/v1/completions", json={**body, "prompt": ALPHABET[i % 10]}) for i in range(8))
-            )
+            tasks = [
+                asyncio.create_task(c.post("/v1/completions", json={**body, "prompt": ALPHABET[i % 10]}))
+                for i in range(8)
+            ]
+            # nothing finishes before the gate opens, however slow the machine: the 4 requests beyond 1 running +
+            # 3 queued come back 503 while it is shut (waited for by count, not by the clock); then the rest run
+            for _ in range(600):
+                if sum(t.done() for t in tasks) >= 4:
+                    break
+                await asyncio.sleep(0.1)
+            gate.set()
+            return await asyncio.gather(*tasks)
 
     results = asyncio.run(main())
     codes = sorted(r.status_code for r in results)
-    # 8 arrive within milliseconds, each takes 0.1 s: at most 1 running + 3 queued are accepted at first
-    assert codes.count(200) >= 3 and codes.count(503) >= 1 and set(codes) <= {200, 503}
+    # 8 held requests: 1 running + 3 queued are accepted, the other 4 are turned away
+    assert codes.count(200) == 4 and codes.count(503) == 4, codes
     for r in results:
         if r.status_code == 200:
             p = r.json()
