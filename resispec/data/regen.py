@@ -45,6 +45,22 @@ def weights_fingerprint(model: torch.nn.Module, numel: int = 4096) -> str:
     return h.hexdigest()[:16]
 
 
+def files_fingerprint(model_dir: str) -> str:
+    """Fingerprint of a model's weights from its files, without loading them (the vLLM engine's key: no HF copy
+    is ever loaded on that path): each *.safetensors file's name, size, header (tensor names, dtypes, shapes)
+    and first 64 KiB of data. A hub name (no local folder) stands for itself."""
+    h = hashlib.sha256()
+    folder = Path(model_dir).expanduser()
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        h.update(f"name:{model_dir}".encode())
+    for path in files:
+        with open(path, "rb") as f:
+            header = f.read(int.from_bytes(f.read(8), "little"))
+            h.update(f"{path.name}:{path.stat().st_size}".encode() + header + f.read(65536))
+    return h.hexdigest()[:16]
+
+
 def _generate_batch(
     target, prompt_lists: list[list[int]], regen: RegenConfig, pad_id: int, eos_id: int | None
 ):
@@ -87,24 +103,44 @@ def _regen_key(regen: RegenConfig) -> dict:
     return d
 
 
-def _vllm_responses(target, prompt_lists: list[list[int]], regen: RegenConfig, eos_id: int | None):
-    """All responses at once from vLLM's offline API (continuous batching decides the batches)."""
+def _model_dir(target) -> str:
+    return str(getattr(target.config, "_name_or_path", "") or getattr(target, "name_or_path", ""))
+
+
+def _vllm_responses(model_dir: str, prompt_lists: list[list[int]], regen: RegenConfig, eos_id: int | None):
+    """All responses from vLLM's offline API (continuous batching decides the batches). With CUDA: one engine per
+    visible GPU, each on a contiguous share of the prompts (data parallel: vLLM's LLM class refuses
+    data_parallel_size in one process), CUDA graphs on; on the CPU one engine in float32."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from resispec.serving.vllm_peer import offline_generate
 
-    model_dir = str(getattr(target.config, "_name_or_path", "") or getattr(target, "name_or_path", ""))
-    dtype = "float32" if next(target.parameters()).device.type == "cpu" else "auto"
-    out = offline_generate(
-        model_dir,
-        prompt_lists,
-        regen.max_new_tokens,
-        regen.temperature,
-        regen.top_p,
-        regen.top_k,
-        regen.seed,
-        eos_id,
-        dtype,
-    )
-    return out["responses"]
+    sampling = (regen.max_new_tokens, regen.temperature, regen.top_p, regen.top_k)
+    if not torch.cuda.is_available():
+        return offline_generate(model_dir, prompt_lists, *sampling, regen.seed, eos_id, "float32")[
+            "responses"
+        ]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    n = max(1, min(len(devices), len(prompt_lists)))
+    bounds = [(i * len(prompt_lists) // n, (i + 1) * len(prompt_lists) // n) for i in range(n)]
+
+    def share(i: int) -> list[list[int]]:
+        lo, hi = bounds[i]
+        out = offline_generate(
+            model_dir,
+            prompt_lists[lo:hi],
+            *sampling,
+            regen.seed + i,  # each engine its own sample streams
+            eos_id,
+            "auto",
+            engine_args={"enforce_eager": False},
+            env={"CUDA_VISIBLE_DEVICES": devices[i]},
+        )
+        return out["responses"]
+
+    with ThreadPoolExecutor(n) as pool:
+        return [r for part in pool.map(share, range(n)) for r in part]
 
 
 def regenerate(
@@ -116,16 +152,26 @@ def regenerate(
     accelerator=None,
     target_id: str = "",
     progress: bool = True,
+    model_dir: str | None = None,
 ) -> datasets.Dataset:
     """Responses of the target to every prompt -> Dataset(prompt_ids, response_ids), cached under cache_dir.
 
     The cache key covers the target (id + weight fingerprint), the sampling settings and the prompt-set hash, so
     a cached set is reused only when nothing changed. Under accelerate the prompts are split across processes,
-    gathered, and saved by the main process. Batches are seeded from regen.seed and their first prompt's index."""
+    gathered, and saved by the main process. Batches are seeded from regen.seed and their first prompt's index.
+
+    regen.engine=vllm: `target` may be None (then `model_dir` names the weights): vLLM runs on the main process
+    only, over every GPU (`_vllm_responses`), while the others wait; the key's fingerprint is read from the
+    weight files (`files_fingerprint`), so a run that never loads the HF model finds the same cache."""
+    vllm = regen.engine == "vllm"
+    if vllm:
+        model_dir = model_dir or _model_dir(target)
+    elif target is None:
+        raise ValueError("regeneration with data.regen.engine=hf needs the loaded target")
     meta = {
         "format": REGEN_FORMAT,
-        "target_id": target_id or str(getattr(target.config, "_name_or_path", "")),
-        "weights": weights_fingerprint(target),
+        "target_id": target_id or model_dir or _model_dir(target),
+        "weights": files_fingerprint(model_dir) if vllm else weights_fingerprint(target),
         "regen": _regen_key(regen),
         "prompt_set_hash": prompt_set_hash(prompts),
         "num_prompts": len(prompts),
@@ -137,7 +183,9 @@ def regenerate(
 
     is_main = accelerator is None or accelerator.is_main_process
     indices = list(range(len(prompts)))
-    if accelerator is not None and accelerator.num_processes > 1:
+    if vllm and not is_main:
+        indices = []  # one vLLM run (the main process's, spread over the GPUs); the others wait for it
+    elif not vllm and accelerator is not None and accelerator.num_processes > 1:
         with accelerator.split_between_processes(indices) as mine:
             indices = list(mine)
     prompt_ids = prompts["prompt_ids"]
@@ -146,11 +194,12 @@ def regenerate(
     results: list[tuple[int, list[int]]] = []
     start = time.perf_counter()
     bar = tqdm(total=len(order), desc="regenerate", disable=not (progress and is_main), dynamic_ncols=True)
-    if regen.engine == "vllm":  # one call: vLLM's continuous batching decides the batches
-        responses = _vllm_responses(
-            target, [list(prompt_ids[i]) for i in order], regen, tokenizer.eos_token_id
-        )
-        results.extend(zip(order, responses, strict=True))
+    if vllm:  # one call: vLLM's continuous batching decides the batches
+        if order:
+            responses = _vllm_responses(
+                model_dir, [list(prompt_ids[i]) for i in order], regen, tokenizer.eos_token_id
+            )
+            results.extend(zip(order, responses, strict=True))
         bar.update(len(order))
     elif regen.engine == "hf":
         for b in range(0, len(order), regen.batch_size):
@@ -210,10 +259,12 @@ def ensure_regenerated(
     target_id: str = "",
     progress: bool = True,
     draft=None,
+    model_dir: str | None = None,
 ) -> datasets.Dataset:
     """Prompts of a split with responses: the target's (data.responses = regenerate, cached) or the source's own
     (data.responses = fixed). With `draft` and data.draft_fraction > 0, that fraction of the training prompts
-    gets the draft's responses instead (`mix_draft_responses`). -> Dataset(prompt_ids, response_ids)."""
+    gets the draft's responses instead (`mix_draft_responses`). target None + model_dir: the vLLM engine without
+    an HF copy of the target (see `regenerate`). -> Dataset(prompt_ids, response_ids)."""
 
     prompts = load_prompts(data, tokenizer, split, world)
     if data.responses == "fixed":
@@ -226,7 +277,15 @@ def ensure_regenerated(
         raise ValueError(f"data.responses must be regenerate or fixed, got {data.responses!r}")
     prompts = prompts.select_columns(["prompt_ids"])
     rows = regenerate(
-        target, tokenizer, prompts, data.regen, data_cache_dir(data, world), accelerator, target_id, progress
+        target,
+        tokenizer,
+        prompts,
+        data.regen,
+        data_cache_dir(data, world),
+        accelerator,
+        target_id,
+        progress,
+        model_dir,
     )
     if draft is None or data.draft_fraction <= 0 or split != "train":
         return rows

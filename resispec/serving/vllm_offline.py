@@ -2,7 +2,8 @@
 resispec; it imports only vLLM and the standard library). `resispec.data.regen` writes a request JSON, runs
 `<venv python> vllm_offline.py request.json result.json` and reads the result.
 
-request: {model, dtype, prompts: [[ids]], max_new_tokens, temperature, top_p, top_k, seed, eos_token_id}
+request: {model, dtype, prompts: [[ids]], max_new_tokens, temperature, top_p, top_k, seed, eos_token_id,
+          engine_args (more LLM(...) arguments)}
 result: {responses: [[ids]] (cut after the first eos, eos kept), seconds (generation only), version}
 """
 
@@ -17,9 +18,8 @@ def main(request_path: str, result_path: str) -> None:
 
     with open(request_path) as f:
         req = json.load(f)
-    llm = LLM(
-        model=req["model"], dtype=req["dtype"], seed=req["seed"], enforce_eager=req.get("enforce_eager", True)
-    )
+    engine_args = {"enforce_eager": req.get("enforce_eager", True), **req.get("engine_args", {})}
+    llm = LLM(model=req["model"], dtype=req["dtype"], seed=req["seed"], **engine_args)
     greedy = req["temperature"] <= 0
     params = [
         SamplingParams(

@@ -540,9 +540,12 @@ def offline_generate(
     eos_token_id: int | None = None,
     dtype: str = "float32",
     python: str | Path | None = None,
+    engine_args: dict | None = None,
+    env: dict | None = None,
 ) -> dict:
     """vLLM's offline LLM in a subprocess of the isolated venv (resispec/serving/vllm_offline.py).
-    -> {responses: [[ids]], seconds: generation time, version}."""
+    engine_args: more LLM(...) arguments (e.g. enforce_eager=False: CUDA graphs); env: more environment for the
+    subprocess (e.g. CUDA_VISIBLE_DEVICES). -> {responses: [[ids]], seconds: generation time, version}."""
     py = vllm_python(str(python) if python else None)
     if not py.exists():
         raise RuntimeError(f"no vLLM venv at {py}; run scripts/setup_vllm.sh")
@@ -557,11 +560,12 @@ def offline_generate(
         "top_k": top_k,
         "seed": seed,
         "eos_token_id": eos_token_id,
+        "engine_args": engine_args or {},
     }
     with tempfile.TemporaryDirectory(prefix="resispec-vllm-offline-") as tmp:
         req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(request))
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, **(env or {})}
         env.pop("PYTHONPATH", None)
         proc = subprocess.run(
             [str(py), str(script), str(req_path), str(res_path)], capture_output=True, text=True, env=env

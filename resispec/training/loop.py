@@ -637,9 +637,29 @@ def _pad_id(tok) -> int:
 
 def _load_inputs(accelerator, world, target_cfg, draft_cfg, data_cfg, rows):
     """(target, draft, tokenizer, train rows, held-out rows), both models on this process's device; rows =
-    (train, eval) skips regeneration. Regeneration is cached and split over the processes."""
+    (train, eval) skips regeneration. Regeneration is cached and split over the processes; with
+    data.regen.engine=vllm it runs first, before any HF weights load (vLLM takes the GPUs while it runs)."""
     from resispec.models import load_pair
 
+    if rows is None and data_cfg.regen.engine == "vllm" and data_cfg.draft_fraction <= 0:
+        from resispec.data import ensure_regenerated
+        from resispec.models import load_tokenizer, resolve_model_path
+
+        tok, model_dir = load_tokenizer(target_cfg, world), resolve_model_path(target_cfg.path, world)
+        rows = tuple(
+            ensure_regenerated(
+                data_cfg,
+                None,
+                tok,
+                split,
+                world,
+                accelerator=accelerator,
+                target_id=target_cfg.path,
+                progress=accelerator.is_main_process,
+                model_dir=model_dir,
+            )
+            for split in ("train", "eval")
+        )
     device = str(accelerator.device)  # load each process's copy straight onto its own device
     target_cfg = dataclasses.replace(target_cfg, device=device) if target_cfg.device == "auto" else target_cfg
     draft_cfg = dataclasses.replace(draft_cfg, device=device) if draft_cfg.device == "auto" else draft_cfg

@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -321,3 +322,113 @@ def test_real_recipe_defaults_fit_80_gib_with_every_launch_config(recipe):
             if plan.total > 80 * GIB:
                 over.append(f"{getattr(launch, 'name', 'one device')} {signal}: {plan.total / GIB:.1f} GiB")
     assert not over, over
+
+
+# ---------------------------------------------------------------- 5. vLLM regeneration before any HF weights
+
+
+class FakeVllm:
+    """Stands in for resispec.serving.vllm_peer.offline_generate: records each call (and the events log), answers
+    every prompt with [7, 8, eos]."""
+
+    def __init__(self, events: list):
+        self.calls, self.events = [], events
+
+    def __call__(self, model_dir, prompts, *args, engine_args=None, env=None, **kwargs):
+        self.events.append("engine")
+        self.calls.append(
+            {"model": model_dir, "prompts": len(prompts), "engine_args": engine_args, "env": env}
+        )
+        eos = args[5] if len(args) > 5 else kwargs.get("eos_token_id")
+        return {"responses": [[7, 8, eos] for _ in prompts], "seconds": 0.0}
+
+
+def _no_hf_weights(monkeypatch, events: list):
+    """Any HF weight load appends to `events` (and the test checks the order)."""
+    import transformers
+
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def loading(*args, **kwargs):
+        events.append("hf weights")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loading)
+
+
+def _jsonl_prompts(path: Path, n: int = 6) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": f"w{2 + i} w{3 + i} w{4 + i}"}) + "\n" for i in range(n)))
+    return path
+
+
+def test_generate_with_vllm_loads_no_hf_weights(tmp_path, monkeypatch):
+    """Before: train/generate.py loaded the HF target (onto the GPU) before regeneration started vLLM."""
+    import importlib.util
+
+    import resispec.serving.vllm_peer as peer
+    from tests.unit.test_training_helpers import save_pair
+
+    target, _ = save_pair(tmp_path / "pair")
+    events: list = []
+    fake = FakeVllm(events)
+    monkeypatch.setattr(peer, "offline_generate", fake)
+    _no_hf_weights(monkeypatch, events)
+    data = f"data.source={_jsonl_prompts(tmp_path / 'p.jsonl')}"
+    c = compose_recipe("debug", f"target.path={target}", data, f"data.cache_dir={tmp_path / 'cache'}")
+    c = dataclasses.replace(
+        c, data=dataclasses.replace(c.data, regen=dataclasses.replace(c.data.regen, engine="vllm"))
+    )
+    spec = importlib.util.spec_from_file_location("generate_script", ROOT / "train" / "generate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.generate(c)
+    assert events == ["engine", "engine"]  # train and eval; no HF copy of the target at all
+    assert all(call["model"] == str(target) for call in fake.calls)
+
+
+def test_distill_with_vllm_regenerates_before_loading_the_pair(tmp_path, monkeypatch):
+    from accelerate import Accelerator
+
+    import resispec.serving.vllm_peer as peer
+    from resispec.data.config import DataConfig, RegenConfig
+    from resispec.models.config import ModelConfig, WorldConfig
+    from resispec.training.loop import _load_inputs
+    from tests.unit.test_training_helpers import save_pair
+
+    target, draft = save_pair(tmp_path / "pair")
+    events: list = []
+    monkeypatch.setattr(peer, "offline_generate", FakeVllm(events))
+    _no_hf_weights(monkeypatch, events)
+    data = DataConfig(
+        source=str(_jsonl_prompts(tmp_path / "p.jsonl")),
+        num_train_prompts=4,
+        num_eval_prompts=2,
+        seq_len=32,
+        cache_dir=str(tmp_path / "cache"),
+        regen=RegenConfig(max_new_tokens=4, engine="vllm"),
+    )
+    pair = (ModelConfig(path=str(target), device="cpu"), ModelConfig(path=str(draft), device="cpu"))
+    out = _load_inputs(Accelerator(cpu=True), WorldConfig(), *pair, data, None)
+    assert events[:2] == ["engine", "engine"] and set(events[2:]) == {"hf weights"}
+    assert list(out[3][0]["response_ids"]) == [7, 8, 1]
+
+
+def test_vllm_regeneration_is_data_parallel_over_the_gpus(monkeypatch):
+    """One engine per visible GPU (vLLM's LLM refuses data_parallel_size in one process), CUDA graphs on."""
+    import resispec.serving.vllm_peer as peer
+    from resispec.data.config import RegenConfig
+    from resispec.data.regen import _vllm_responses
+
+    fake = FakeVllm([])
+    monkeypatch.setattr(peer, "offline_generate", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5,7")
+    prompts = [[i] for i in range(7)]
+    out = _vllm_responses("m", prompts, RegenConfig(), eos_id=1)
+    assert len(out) == 7
+    assert sorted(c["env"]["CUDA_VISIBLE_DEVICES"] for c in fake.calls) == ["2", "5", "7"]
+    assert sorted(c["prompts"] for c in fake.calls) == [2, 2, 3]
+    assert all(c["engine_args"] == {"enforce_eager": False} for c in fake.calls)
