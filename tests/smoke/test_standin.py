@@ -20,7 +20,13 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+ENV = {
+    **os.environ,
+    "WANDB_MODE": "disabled",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "RESISPEC_API_KEY": "",
+}
 FAMILY = {"llama3": "llama3", "llama3_lora": "llama3", "qwen3": "qwen3"}
 # counts only: steps, prompts, tokens, positions; the recipe's loss, tree, dtype, splits are its own
 SHORT = [
@@ -169,13 +175,14 @@ def test_server_chat_through_the_real_template(recipe, standin_built, standin_ca
                 pass
             assert time.time() < deadline, "server did not start"
             time.sleep(0.5)
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         messages = [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": "What is a list?"},
         ]
         r = httpx.post(
             url + "/v1/chat/completions",
-            json={"messages": messages, "max_tokens": 8, "temperature": 0.0},
+            json={"model": model, "messages": messages, "max_tokens": 8, "temperature": 0.0},
             timeout=120,
         )
         assert r.status_code == 200, r.text
@@ -291,3 +298,33 @@ def test_a_chat_dataset_with_a_tokenizer_without_chat_template_is_one_line(stand
     last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("error: ") and "has no chat template" in last, proc.stderr[-2000:]
     assert not cache.exists() or not any(cache.glob("regen-*"))
+
+
+def test_standin_build_is_cached_deterministic_and_shares_one_tokenizer(standin_built, tmp_path):
+    """Built once (a second call returns the cached folder), the same bytes when built again elsewhere, and the
+    target and draft carry identical tokenizer files, as the real pair does."""
+    import hashlib
+
+    from resispec.models.standin import StandinSpec, ensure_standin
+
+    first = standin_built("llama3")
+    t0 = time.perf_counter()
+    assert standin_built("llama3").root == first.root and time.perf_counter() - t0 < 5  # cached
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (first.target_dir / name).read_bytes() == (first.draft_dir / name).read_bytes(), name
+    spec = StandinSpec(
+        "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct", first.report["dataset"]
+    )
+    again = ensure_standin(spec, tmp_path, progress=False)
+
+    def digest(folder: Path) -> dict[str, str]:
+        return {
+            str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.suffix in (".safetensors", ".json", ".parquet", ".jinja")
+        }
+
+    for a, b in ((first.target_dir, again.target_dir), (first.draft_dir, again.draft_dir)):
+        assert digest(a) == digest(b)
+    assert digest(first.data_dir) == digest(again.data_dir)
+    assert not list(tmp_path.glob("*.tmp-*"))  # nothing left half-written
