@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from resispec.decoding.fast_forward import fast_forward as make_forward
+from resispec.decoding.head_draft import HeadLevels, advance_head, prefill_pending, target_forward
 from resispec.decoding.kv_cache import (
     cache_length,
     forward_logits,
@@ -40,6 +41,7 @@ from resispec.decoding.walk import (
     walk_greedy,
     walk_sampled,
 )
+from resispec.models.head import is_head
 from resispec.sampling import is_greedy, probs, sample_at
 
 
@@ -50,7 +52,8 @@ class DecodeOutput:
 
 
 class SpeculativeDecoder:
-    """Exact speculative decoding of `target` with `draft` (HF causal LMs sharing a tokenizer), batch 1.
+    """Exact speculative decoding of `target` with `draft` (HF causal LMs sharing a tokenizer, or a draft head:
+    resispec/models/head.py, its draft phase resispec/decoding/head_draft.py), batch 1.
 
     rule: a name in `resispec.verify.VERIFIERS` (or a rule object); tree: branching per depth ([1]*k = chain).
     tokenizer: optional, needed only for `stop` strings. tokenizer_target / tokenizer_draft: when both are given
@@ -81,8 +84,9 @@ class SpeculativeDecoder:
     ) -> None:
         check_tokenizers(tokenizer_target, tokenizer_draft)
         self.target, self.draft = target.eval(), draft.eval()
+        self.head = draft if is_head(draft) else None  # a draft head reads the target's states
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_target
-        self.vocab_size = resolve_vocab_size(target, draft, self.tokenizer)
+        self.vocab_size = resolve_vocab_size(target, target if self.head else draft, self.tokenizer)
         self.rule_name = rule if isinstance(rule, str) else type(rule).__name__
         self.rule = resolve_rule(rule)
         self.shape = parse_tree(list(tree))
@@ -101,10 +105,11 @@ class SpeculativeDecoder:
         self.greedy_topk = greedy_topk
         self._t_dtype, self._d_dtype = target.dtype, draft.dtype  # read once: .dtype walks the parameters
         self._target_fwd: Callable = make_forward(target) if fast_forward else target
-        self._draft_fwd: Callable = make_forward(draft) if fast_forward else draft
+        self._draft_fwd: Callable = make_forward(draft) if fast_forward and not self.head else draft
         if compile and self.device.type == "cuda":
             self._target_fwd = torch.compile(target, dynamic=True)
-            self._draft_fwd = torch.compile(draft, dynamic=True)
+            if not self.head:
+                self._draft_fwd = torch.compile(draft, dynamic=True)
         self.last_stats: DecodeStats | None = None
         # test hook: called after each step's cache compaction with (target_cache, draft_cache, committed_ids)
         self.after_step: Callable | None = None
@@ -218,6 +223,13 @@ class SpeculativeDecoder:
         stats.draft_forward_seconds += time.perf_counter() - t0
         return logits
 
+    def _timed_draft(self, stats: DecodeStats, fn: Callable):
+        """fn() with its wall time added to stats.draft_forward_seconds (as `_draft_forward`)."""
+        t0 = time.perf_counter()
+        out = fn()
+        stats.draft_forward_seconds += time.perf_counter() - t0
+        return out
+
     def _sync(self) -> None:
         if self.timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -226,18 +238,22 @@ class SpeculativeDecoder:
         """[N, V'] logits -> [N, V] probabilities (vocab cut to the shared size, then THE sampling transform)."""
         return probs(logits[..., : self.vocab_size], **settings)
 
-    def _prefill_target(self, prompt: list[int], stats: DecodeStats):
-        """Target cache := prompt[:-1]; the last prompt token is the first root."""
-        cache = new_cache(self.target)
+    def _prefill_target(self, prompt: list[int], stats: DecodeStats, capture: bool = False):
+        """Target cache := prompt[:-1]; the last prompt token is the first root. capture (a draft head): returns
+        (cache, the head's pending pairs of the prompt)."""
+        cache, feats = new_cache(self.target), None
         if len(prompt) > 1:
             self._sync()
             t0 = time.perf_counter()
             ids = torch.tensor([prompt[:-1]], device=self.device)
-            forward_logits(self._target_fwd, ids, cache, logits_to_keep=1)
+            if capture:
+                feats = target_forward(self._target_fwd, self.head.layers, ids, cache, logits_to_keep=1)[1]
+            else:
+                forward_logits(self._target_fwd, ids, cache, logits_to_keep=1)
             self._sync()
             stats.target_seconds += time.perf_counter() - t0
             stats.target_forwards += 1
-        return cache
+        return (cache, prefill_pending(prompt, feats, self.device)) if capture else cache
 
     # ------------------------------------------------------------------ autoregressive baseline
     @torch.inference_mode()  # torch wraps each resume of a generator, so the consumer is unaffected
@@ -267,10 +283,14 @@ class SpeculativeDecoder:
         """The speculative step (module docstring), step after step: yields each step's emitted run."""
         rule = row_rule(self.rule, generator)
         greedy = is_greedy(settings["temperature"]) and self.greedy_topk
-        tcache = self._prefill_target(prompt, stats)
         dcache = new_cache(self.draft)
         num_committed = len(prompt)  # L; the root prompt[-1] is the last committed token
-        pending = list(prompt)  # committed tokens not yet in the draft cache (the draft prefill is folded in)
+        if self.head is None:
+            tcache = self._prefill_target(prompt, stats)
+            # committed tokens not yet in the draft cache (the draft prefill is folded in)
+            pending = list(prompt)
+        else:  # the head's pending input: (target features at j, token j + 1) pairs
+            tcache, pending = self._prefill_target(prompt, stats, capture=True)
         root = prompt[-1]
         committed = list(prompt)  # only kept up to date for the after_step hook
         remaining = max_new_tokens
@@ -289,7 +309,7 @@ class SpeculativeDecoder:
             stats.draft_forwards += 1 + fed_depth if depth_lim > 0 else 0
 
             # ---- verify phase: ONE target forward over the root and every node
-            logits = self._verify_tree(tree, tcache, num_committed)  # [N+1, V]
+            logits, feats = self._verify_tree(tree, tcache, num_committed)  # [N+1, V], a head's [N+1, k*H]
             if greedy:
                 best = logits.argmax(dim=-1).tolist()  # the one host sync of a greedy step
             self._sync()
@@ -311,9 +331,13 @@ class SpeculativeDecoder:
             yield run  # the consumer closes this generator at a stop, so no cache work is wasted after it
 
             # ---- compact both caches to the accepted path
-            pending = advance_caches(
-                tcache, dcache, num_committed, tree, accepted, fed_depth, depth_lim > 0, pending, run
-            )
+            if self.head is None:
+                pending = advance_caches(
+                    tcache, dcache, num_committed, tree, accepted, fed_depth, depth_lim > 0, pending, run
+                )
+            else:  # fed_depth < 0: the head drafted nothing (no target feature yet)
+                drafted = depth_lim > 0 and fed_depth >= 0
+                pending = advance_head(tcache, dcache, num_committed, accepted, drafted, pending, run, feats)
             remaining -= len(run)
             num_committed += len(accepted) + 1
             root = run[-1]
@@ -333,10 +357,18 @@ class SpeculativeDecoder:
         fed_depth = 0  # deepest level the draft has processed (its cache holds levels 1..fed_depth)
         if depth_lim <= 0:
             return tree, proposals, fed_depth
-        start = cache_length(dcache)
-        pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
-        ids = torch.tensor([pending], device=dev)
-        logits = self._draft_forward(stats, ids, dcache, pos, logits_to_keep=1)[0, :, :vocab]  # [1, V]
+        if self.head is not None:
+            levels = HeadLevels(
+                self.head, pending, dcache, num_committed, vocab, lambda fn: self._timed_draft(stats, fn)
+            )
+            if not levels.ready:
+                return tree, proposals, -1
+            logits = levels.first()  # [1, V]
+        else:
+            start = cache_length(dcache)
+            pos = torch.arange(start, start + len(pending), device=dev)[None]  # [1, P]
+            ids = torch.tensor([pending], device=dev)
+            logits = self._draft_forward(stats, ids, dcache, pos, logits_to_keep=1)[0, :, :vocab]  # [1, V]
         for depth in range(1, depth_lim + 1):
             width = self.shape[depth - 1]
             if greedy:  # top-b of the draft's logits = top-b of its softmax
@@ -353,6 +385,10 @@ class SpeculativeDecoder:
                 break
             if depth == depth_lim:
                 break
+            if self.head is not None:
+                logits = levels.deeper(tree, level, depth)  # [n_d, V]
+                fed_depth = depth
+                continue
             block = tree.mask(level, range(1, level.stop))  # [n_d, nodes so far]
             mask = tree_attention_mask(num_committed, block.to(dev), self._d_dtype)
             ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
@@ -361,12 +397,18 @@ class SpeculativeDecoder:
             fed_depth = depth
         return tree, proposals, fed_depth
 
-    def _verify_tree(self, tree: DraftTree, tcache, num_committed: int) -> torch.Tensor:
+    def _verify_tree(
+        self, tree: DraftTree, tcache, num_committed: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ONE target forward over the root and every node of `tree` (tree mask; position = L - 1 + depth) ->
-        logits [N+1, V] (the vocabulary cut to the pair's)."""
+        (logits [N+1, V] (the vocabulary cut to the pair's), for a draft head the states entering its layers at
+        every node [N+1, k*H], else None)."""
         dev = self.device
         nodes = range(0, tree.num_nodes)
         mask = tree_attention_mask(num_committed - 1, tree.mask(nodes, nodes).to(dev), self._t_dtype)
         ids = torch.tensor([tree.tokens], device=dev)
         pos = torch.tensor([tree.depths], device=dev) + (num_committed - 1)
-        return forward_logits(self._target_fwd, ids, tcache, pos, mask)[0, :, : self.vocab_size]
+        if self.head is not None:
+            logits, feats = target_forward(self._target_fwd, self.head.layers, ids, tcache, pos, mask)
+            return logits[0, :, : self.vocab_size], feats[0]
+        return forward_logits(self._target_fwd, ids, tcache, pos, mask)[0, :, : self.vocab_size], None

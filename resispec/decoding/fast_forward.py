@@ -58,6 +58,7 @@ _NOT_PACKED = (None, None, None, None)
 @dataclass
 class FastOutput:
     logits: torch.Tensor
+    hidden: torch.Tensor | None = None  # [B, Q, k*H]: the residual stream entering the `capture` layers
 
 
 def _unsupported_reason(model) -> str | None:
@@ -263,6 +264,8 @@ class FastCausalLM:
         cache=None,  # DynamicCache (resispec.decoding.kv_cache.new_cache), extended in place
         use_cache: bool = True,
         logits_to_keep: int = 0,
+        capture: tuple[int, ...]
+        | None = None,  # layer ids whose input states to return (a draft head's features)
         **_,
     ) -> FastOutput:
         if cache is None:
@@ -287,7 +290,10 @@ class FastCausalLM:
         gqa = kv_heads != heads
         if self.fuse and self._stale():  # the weights changed since the copies were made (or none were)
             self._fuse()
+        captured = {}
         for i, (ln1, (q_p, k_p, v_p, o_p), qk_norm, ln2, (g_p, u_p, d_p)) in enumerate(self.layers):
+            if capture is not None and i in capture:
+                captured[i] = x
             packed = self._packed[i] if self._packed else _NOT_PACKED
             h = _rms(x, *ln1)
             if self.fuse:
@@ -326,8 +332,9 @@ class FastCausalLM:
             else:
                 gate, up = _linear(h, *g_p, wxt), _linear(h, *u_p, wxt)
             x = x + _linear(F.silu(gate) * up, *d_p, wxt, packed[3])
+        hidden = torch.cat([captured[i] for i in capture], dim=-1) if capture is not None else None
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return FastOutput(
-            _linear(_rms(x, *self.norm), self.head.weight, self.head.bias, wxt, self._packed_head)
+            _linear(_rms(x, *self.norm), self.head.weight, self.head.bias, wxt, self._packed_head), hidden
         )

@@ -16,6 +16,24 @@ class LoraConfig:
 
 
 @dataclass
+class HeadConfig:
+    """An EAGLE-3-style draft head (draft.kind=head; resispec/models/head.py): built on the target at the start of
+    training, or loaded from `path` (a head folder) for decoding."""
+
+    layers: list[int] | None = (
+        None  # target layer ids whose input states are fused; None = EAGLE-3's (2, L//2, L-3)
+    )
+    draft_vocab_size: int | None = (
+        None  # reduced draft vocabulary (most frequent training tokens); None = target's
+    )
+    intermediate_size: int | None = None  # the head layer's MLP width; None = the target's
+    ttt_steps: int = (
+        3  # training-time test: unrolled steps, the head feeding on its own states after the first
+    )
+    step_decay: float = 0.8  # loss weight of unrolled step j: step_decay ** j (EAGLE-3's 0.8)
+
+
+@dataclass
 class ModelConfig:
     """A causal LM to load. `path` is a hub name, a local folder, or `world:target` / `world:draft`
     (the embedded tiny world's checkpoints, built on first use)."""
@@ -28,6 +46,8 @@ class ModelConfig:
     attn_implementation: str | None = None  # None = transformers' default (sdpa)
     adapter: str = "none"  # none | lora (drafts only: train a LoRA adapter instead of all weights)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    kind: str = "model"  # drafts: model (a standalone causal LM) | head (a draft head on the target's states)
+    head: HeadConfig = field(default_factory=HeadConfig)
 
 
 @dataclass

@@ -313,6 +313,10 @@ def _check_job(job: DistillJob) -> None:
         )
     if job.draft.adapter not in ("none", "lora"):
         raise DistillConfigError(f"draft.adapter must be none or lora, got {job.draft.adapter!r}")
+    if job.draft.kind == "head":  # a draft head (resispec/training/head_step.py)
+        from resispec.training.head_step import check_head_job
+
+        check_head_job(job)
 
 
 def _make_accelerator(job: DistillJob):
@@ -478,6 +482,10 @@ def _micro_batch_loss(run: _Run, batch: dict[str, torch.Tensor], mask: torch.Ten
     acc, job = run.accelerator, run.job
     batch = trim_padding(batch)
     mask = mask[:, : batch["input_ids"].shape[1] - 1]  # logits at t predict token t + 1
+    if job.draft.kind == "head":
+        from resispec.training.head_step import head_micro_batch_loss
+
+        return head_micro_batch_loss(run, batch, mask)
     index = response_index(mask, batch["input_ids"].shape[1])
     # a sharded draft gathers its head only inside its forward: there the forward computes the rows' logits
     fused = not is_fsdp(acc) and acc.distributed_type.value != "DEEPSPEED"
@@ -663,9 +671,15 @@ def _load_inputs(accelerator, world, target_cfg, draft_cfg, data_cfg, rows):
     device = str(accelerator.device)  # load each process's copy straight onto its own device
     target_cfg = dataclasses.replace(target_cfg, device=device) if target_cfg.device == "auto" else target_cfg
     draft_cfg = dataclasses.replace(draft_cfg, device=device) if draft_cfg.device == "auto" else draft_cfg
-    target, draft, tok = load_pair(target_cfg, draft_cfg, world)
+    if draft_cfg.kind == "head":  # built on the target (resispec/training/head_step.py)
+        from resispec.models import load_model, load_tokenizer
+        from resispec.training.head_step import build_head
+
+        target, tok, draft = load_model(target_cfg, world), load_tokenizer(target_cfg, world), None
+    else:
+        target, draft, tok = load_pair(target_cfg, draft_cfg, world)
+        draft.to(accelerator.device)
     target.to(accelerator.device).eval().requires_grad_(False)
-    draft.to(accelerator.device)
     if rows is None:
         from resispec.data import ensure_regenerated
 
@@ -683,6 +697,8 @@ def _load_inputs(accelerator, world, target_cfg, draft_cfg, data_cfg, rows):
             )
             for split in ("train", "eval")
         )
+    if draft is None:  # a head: built once the training rows exist (a reduced vocabulary counts their tokens)
+        draft = build_head(target, draft_cfg, rows[0]).to(accelerator.device)
     return target, draft, tok, rows[0], rows[1]
 
 

@@ -1,0 +1,111 @@
+"""The draft phase of a draft head (resispec/models/head.py) in the speculative step, batch 1.
+
+The step (engine.py `SpeculativeDecoder._spec_steps`) is the same for both drafter kinds: draft a tree level by
+level, verify it in ONE target forward, walk, compact. What differs for a head:
+  - the target's forwards (prefill and verify) also return the states entering the head's layers (`target_forward`);
+  - the head's pending input is pairs (target features at position j, token j+1), not tokens: after a step, the
+    features of the root and the accepted nodes (from the verify forward) with the emitted run;
+  - depth 0 is the head over the pending pairs (its cache then holds entries 0..L-2, L committed tokens); depth d
+    feeds each node of level d its token and its PARENT's pre-norm output, at position L-2+d, under the tree mask;
+  - after the walk the head's cache is cropped to its committed entries: tree entries were computed from the head's
+    own states and never persist (EAGLE's rule); the next depth-0 forward appends the new pairs.
+With a one-token prompt there is no target feature yet: the first step drafts nothing (an AR step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from resispec.decoding.kv_cache import cache_length, compact_to_path, crop_cache, tree_attention_mask
+from resispec.decoding.tree import DraftTree
+
+
+class HeadPending:
+    """The (target features, next token) pairs the head has not read yet: feats [P, k*H], tokens [P]."""
+
+    def __init__(self, feats: torch.Tensor, tokens: list[int]) -> None:
+        self.feats, self.tokens = feats, tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def target_forward(fwd, layers, ids, cache, pos=None, mask=None, logits_to_keep: int = 0):
+    """One cached target forward -> (logits [1, Q', V], the states entering `layers`, concatenated [1, Q, k*H]).
+    The decoder's fast forward returns them directly; the HF forward through output_hidden_states (HF index k =
+    the input of layer k for k < L)."""
+    from resispec.decoding.fast_forward import FastCausalLM
+
+    common = dict(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=logits_to_keep)
+    if isinstance(fwd, FastCausalLM):
+        out = fwd(cache=cache, use_cache=True, capture=tuple(layers), **common)
+        return out.logits, out.hidden
+    out = fwd(cache=cache, use_cache=True, output_hidden_states=True, **common)
+    return out.logits, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+
+
+def prefill_pending(prompt: list[int], feats: torch.Tensor | None, device) -> HeadPending:
+    """The prompt's pairs: features of positions 0..L-2 (the target's prefill) with tokens 1..L-1."""
+    if feats is None:
+        return HeadPending(torch.zeros(0, 0, device=device), [])
+    return HeadPending(feats[0], list(prompt[1:]))
+
+
+class HeadLevels:
+    """One step's draft phase for a head: `first()` -> depth-1 logits, then `deeper(tree, level, depth)` -> the
+    logits of the next level's parents (module docstring). Logits over the target's vocabulary [n, V]."""
+
+    def __init__(
+        self, head, pending: HeadPending, cache, num_committed: int, vocab: int, forward_time
+    ) -> None:
+        self.head, self.pending, self.cache = head, pending, cache
+        self.num_committed, self.vocab = num_committed, vocab
+        self.timed = forward_time  # callable(fn) -> fn(), its time added to the step's draft forward seconds
+        self.states: torch.Tensor | None = None  # [n_d, H] pre-norm outputs of the last level fed
+        self.level_start = 0
+
+    @property
+    def ready(self) -> bool:
+        """False with no target feature yet (a one-token prompt's first step): nothing to draft from."""
+        return len(self.pending) > 0 or cache_length(self.cache) > 0
+
+    def first(self) -> torch.Tensor:
+        head, pend, dev = self.head, self.pending, self.head.device
+        start = cache_length(self.cache)
+        pos = torch.arange(start, start + len(pend), device=dev)[None]
+        ids = torch.tensor([pend.tokens], device=dev)
+
+        def run():
+            return head.step(head.fuse(pend.feats[None]), ids, pos, self.cache)
+
+        h = self.timed(run)[0, -1:]  # [1, H]: the root's entry (position L-2)
+        self.states, self.level_start = h, 0
+        return head.target_logits(h)[:, : self.vocab]
+
+    def deeper(self, tree: DraftTree, level: range, depth: int) -> torch.Tensor:
+        head, dev = self.head, self.head.device
+        parents = torch.tensor([tree.parents[n] - self.level_start for n in level], device=dev)
+        block = tree.mask(level, range(1, level.stop))
+        mask = tree_attention_mask(self.num_committed - 1, block.to(dev), head.dtype)
+        ids = torch.tensor([tree.tokens[level.start : level.stop]], device=dev)
+        pos = torch.full((1, len(level)), self.num_committed - 2 + depth, device=dev)
+        hidden = self.states.index_select(0, parents)[None]
+        h = self.timed(lambda: head.step(hidden, ids, pos, self.cache, mask))[0]  # [n_d, H]
+        self.states, self.level_start = h, level.start
+        return head.target_logits(h)[:, : self.vocab]
+
+
+def advance_head(
+    tcache, hcache, num_committed: int, accepted: list[int], drafted: bool, pending: HeadPending, run, feats
+) -> HeadPending:
+    """After a step: the target's cache compacted to the accepted path, the head's cropped to its committed entries;
+    returns the pairs the head reads next: the features of the root and the accepted nodes (feats [N+1, k*H] of
+    the verify forward) with the emitted run."""
+    keep = [0] + accepted
+    compact_to_path(tcache, num_committed - 1, keep)
+    new = feats.index_select(0, torch.tensor(keep, device=feats.device))
+    if drafted:
+        crop_cache(hcache, num_committed - 1)
+        return HeadPending(new, list(run))
+    old = pending.feats if len(pending) else new[:0]
+    return HeadPending(torch.cat([old, new]), pending.tokens + list(run))
