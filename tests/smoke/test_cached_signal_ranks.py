@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.smoke.test_distill_resume import _free_port
 from tests.unit.test_training_helpers import save_pair
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,11 +120,13 @@ def _cache(root: Path, name: str) -> tuple[Path, object]:
     return path, datasets.load_from_disk(str(path)).with_format("torch")
 
 
+@pytest.mark.slow  # 37-65 s on the 2-core machine: a 2-process torchrun launch plus the 1-process reference
 @pytest.mark.timeout(600)
 def test_cached_signal_is_built_by_every_rank_and_the_target_is_released(tmp_path):
     save_pair(tmp_path / "pair")
     one = [instrumented_run(tmp_path / "pair", tmp_path / "one", tmp_path / "cache_one")]  # in this process
-    two = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"], tmp_path, "two")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    two = _launch([*torchrun, "--master_port", str(_free_port())], tmp_path, "two")
     assert [r["num_processes"] for r in one] == [1] and [r["num_processes"] for r in two] == [2, 2]
     # every rank built its half of the 16 packed rows; one process built them all
     assert one[0]["built_rows"] == 16 and [r["built_rows"] for r in two] == [8, 8]
