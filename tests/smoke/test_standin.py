@@ -6,6 +6,7 @@ launch) for llama3, and the one-line refusals of the entry scripts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -139,6 +140,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _serving(cmd: list[str], port: int, log_path: Path):
+    """The base URL of a server subprocess started with `cmd`; killed (with its group) on exit."""
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(log_path.read_text()[-3000:])
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.5)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        log.close()
+
+
 @pytest.mark.parametrize("recipe", ["llama3", "qwen3"])
 def test_server_chat_through_the_real_template(recipe, standin_built, standin_cache, tmp_path):
     """A chat request to serve/server.py on the stand-in: rendered by the real format's template, answered, and
@@ -158,23 +191,7 @@ def test_server_chat_through_the_real_template(recipe, standin_built, standin_ca
         "decode.tree=[2,1]",
         "logger.wandb.mode=disabled",
     ]
-    log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError((tmp_path / "server.log").read_text()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.5)
+    with _serving(cmd, port, tmp_path / "server.log") as url:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         messages = [
             {"role": "system", "content": "Be brief."},
@@ -196,15 +213,6 @@ def test_server_chat_through_the_real_template(recipe, standin_built, standin_ca
         assert body["usage"]["prompt_tokens"] == len(prompt)  # the prompt went through the real template
         completion = body["usage"]["completion_tokens"]
         assert completion == 8 or choice["finish_reason"] == "stop", body
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        log.close()
 
 
 def test_llama3_standin_with_two_processes_ddp_and_fsdp(standin_built, standin_cache, tmp_path):
@@ -328,3 +336,54 @@ def test_standin_build_is_cached_deterministic_and_shares_one_tokenizer(standin_
         assert digest(a) == digest(b)
     assert digest(first.data_dir) == digest(again.data_dir)
     assert not list(tmp_path.glob("*.tmp-*"))  # nothing left half-written
+
+
+def test_server_stops_at_an_eos_id_of_the_generation_config(standin_built, tmp_path):
+    """The Llama 3 target ends a turn with any of its three eos ids; the tokenizer's own eos is only <|eot_id|>.
+    A copy of the stand-in target whose <|end_of_text|> (128001) row outscores the 3rd token of its greedy answer
+    answers in fewer tokens than asked, and the server stops there with finish_reason stop, as HF generate does."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    paths = standin_built("llama3")
+    tok = AutoTokenizer.from_pretrained(paths.target_dir)
+    messages = [{"role": "user", "content": "What does the function `dumps` in the module `json` do?"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    model = AutoModelForCausalLM.from_pretrained(paths.target_dir, dtype=torch.float32).eval()
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        free = model.generate(x, max_new_tokens=3, min_new_tokens=3, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
+        model.lm_head.weight[128001] = 2.0 * model.lm_head.weight[free[2]]
+    target = tmp_path / "target"
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+    with torch.no_grad():
+        want = model.generate(x, max_new_tokens=16, do_sample=False)[0, len(prompt) :].tolist()
+    assert want[-1] == 128001 and len(want) <= 3, want  # it stops at <|end_of_text|>, not the tokenizer's eos
+
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "serve/server.py",
+        "+recipe=llama3",
+        f"target.path={target}",
+        f"draft.path={paths.draft_dir}",
+        "target.dtype=float32",
+        "draft.dtype=float32",
+        f"server.port={port}",
+        "server.log_level=warning",
+        "decode.tree=[2,1]",
+        f"hydra.run.dir={tmp_path / 'server'}",
+    ]
+    with _serving(cmd, port, tmp_path / "server.log") as url:
+        model_id = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model_id, "messages": messages, "max_tokens": 16, "temperature": 0.0}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["choices"][0]["finish_reason"] == "stop", out
+        assert out["usage"]["completion_tokens"] == len(want), (out, want)  # the eos counts, as in vLLM
+        assert out["choices"][0]["message"]["content"] == tok.decode(want[:-1], skip_special_tokens=True)
