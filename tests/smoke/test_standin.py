@@ -172,7 +172,9 @@ def _serving(cmd: list[str], port: int, log_path: Path):
         log.close()
 
 
-@pytest.mark.parametrize("recipe", ["llama3", "qwen3"])
+@pytest.mark.parametrize(
+    "recipe", ["qwen3"]
+)  # llama3: test_server_stops_at_an_eos_id_of_the_generation_config
 def test_server_chat_through_the_real_template(recipe, standin_built, standin_cache, tmp_path):
     """A chat request to serve/server.py on the stand-in: rendered by the real format's template, answered, and
     the server stops at the real eos ids (the stand-in carries the real generation_config.json)."""
@@ -385,5 +387,32 @@ def test_server_stops_at_an_eos_id_of_the_generation_config(standin_built, tmp_p
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["choices"][0]["finish_reason"] == "stop", out
+        assert out["usage"]["prompt_tokens"] == len(prompt)  # rendered by the Llama 3 template, one BOS
         assert out["usage"]["completion_tokens"] == len(want), (out, want)  # the eos counts, as in vLLM
         assert out["choices"][0]["message"]["content"] == tok.decode(want[:-1], skip_special_tokens=True)
+
+
+def test_qwen3_prompts_are_rendered_with_thinking_off(standin_built, standin_cache):
+    """The qwen3 recipe's data.chat_template_kwargs reach the prompt sets: each prompt ends with the generation
+    prompt and the empty think block, so the regenerated responses are answers, not thinking traces."""
+    from hydra import compose, initialize_config_dir
+
+    from resispec.config import register_configs, to_typed
+    from resispec.data.prompts import load_prompts
+    from resispec.models import load_tokenizer
+
+    standin_built("qwen3")
+    register_configs()
+    overrides = [
+        "+recipe=qwen3",
+        "standin=true",
+        f"world.cache_dir={standin_cache}",
+        "data.num_eval_prompts=3",
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        c = to_typed(compose(config_name="distill", overrides=overrides))
+    tok = load_tokenizer(c.target, c.world)
+    tail = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    prompts = load_prompts(c.data, tok, "eval", c.world)["prompt_ids"]
+    assert len(prompts) == 3 and all(list(p[-len(tail) :]) == tail for p in prompts)
+    assert all(p[0] == tok.convert_tokens_to_ids("<|im_start|>") for p in prompts)  # no BOS, as Qwen3
