@@ -243,6 +243,12 @@ def export_draft(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from resispec.models.head import is_head_dir
+
+    if is_head_dir(draft):  # a draft head: vLLM's eagle3 layout (resispec/models/head_export.py)
+        from resispec.models.head_export import export_head
+
+        return export_head(draft, target, out_dir, backend=backend, k=max(k, 1), world=world)
     backend = backend or default_backend()
     draft_path = resolve_model_path(draft, world)
     target_path = resolve_model_path(target, world)

@@ -1,0 +1,72 @@
+"""The draft head's vLLM eagle3 export (resispec/models/head_export.py): the EAGLE / SpecForge layout vLLM loads
+(keys, shapes, dtypes, config fields, norm_before_residual written explicitly) and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from resispec.models.export import ExportError
+from resispec.models.head import DraftHead
+from resispec.models.head_export import export_head
+from tests.unit.test_decoding_helpers import micro_llama
+
+VOCAB = 48
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    from tests.unit.test_training_helpers import make_tokenizer
+
+    root = tmp_path_factory.mktemp("eagle3")
+    target = micro_llama(64, 8, VOCAB, seed=0, num_attention_heads=2, num_key_value_heads=1)
+    target.save_pretrained(root / "target")
+    make_tokenizer().save_pretrained(root / "target")
+    return root, target
+
+
+def test_export_writes_the_eagle3_layout(target_dir, tmp_path):
+    root, target = target_dir
+    counts = torch.arange(VOCAB, dtype=torch.float64)
+    head = DraftHead.from_target(target, draft_vocab_size=20, token_counts=counts)
+    head.save_pretrained(tmp_path / "head")
+    res = export_head(tmp_path / "head", str(root / "target"), tmp_path / "out", backend="vllm-cpu", k=3)
+    cfg = json.loads((res.out_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert (
+        cfg["norm_before_residual"] is False and cfg["vocab_size"] == VOCAB and cfg["draft_vocab_size"] == 20
+    )
+    assert (
+        cfg["eagle_aux_hidden_state_layer_ids"]
+        == [2, 4, 5]
+        == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    )
+    assert cfg["target_hidden_size"] == 64 and cfg["rope_theta"] > 0 and cfg["max_position_embeddings"] == 256
+    state = load_file(str(res.out_dir / "model.safetensors"))
+    assert state["fc.weight"].shape == (64, 3 * 64)
+    assert state["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
+    assert state["midlayer.self_attn.k_proj.weight"].shape == (32, 128)  # GQA as the target's
+    for key in ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "norm.weight"):
+        assert key in state
+    assert state["lm_head.weight"].shape == (20, 64) and "embed_tokens.weight" not in state
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    assert (state["d2t"] + torch.arange(20)).tolist() == list(range(28, 48))
+    assert '"method": "eagle3"' in res.commands["vllm"] and (res.out_dir / "tokenizer.json").exists()
+
+
+def test_export_refuses_a_head_vllm_cannot_load(target_dir, tmp_path):
+    root, target = target_dir
+    DraftHead.from_target(target, layers=[1, 6]).save_pretrained(tmp_path / "two")
+    with pytest.raises(ExportError, match="exactly 3"):
+        export_head(tmp_path / "two", str(root / "target"), tmp_path / "o", backend="vllm-cpu")
+    DraftHead.from_target(target, layers=[6, 1, 3]).save_pretrained(tmp_path / "unsorted")
+    with pytest.raises(ExportError, match="sorted"):
+        export_head(tmp_path / "unsorted", str(root / "target"), tmp_path / "o", backend="vllm-cpu")
+    other = micro_llama(32, 8, VOCAB, seed=1)
+    DraftHead.from_target(other).save_pretrained(tmp_path / "other")
+    with pytest.raises(ExportError, match="trained for a target"):
+        export_head(tmp_path / "other", str(root / "target"), tmp_path / "o", backend="vllm-cpu")
+    assert not (tmp_path / "o").exists()
