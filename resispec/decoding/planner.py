@@ -19,8 +19,8 @@ optimistic at T > 0 for any tree with a multi-draw level (the tiny world: [2,2,1
 plans predicted within SETTLE_BAND of the best (at most SETTLE_MOST), and always the best-ranked plain chain of
 the same rule, are DECODED for real on the calibration prompts (settle_by_decoding): one generation per prompt
 each, the same seeded draws for every candidate, AR in the same rounds, ABBA order. Their tau and tokens per
-second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN to be chosen: a chain wins
-ties. Batched buckets where the model plans speculation are settled the same way on a few real batched steps.
+second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
+of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans speculation are settled the same way on a few real batched steps.
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ BATCH_SETTLE_MOST, BATCH_SETTLE_ROUNDS, BATCH_SETTLE_STEPS = 2, 2, 8
 # a tree is chosen over the best measured chain only when it measures more than this much faster (a chain wins
 # ties): the chain's step is the cheapest and its tau the least exposed to the calibration prompts' luck
 TIE_MARGIN = 0.02
+# ... or by TIE_Z standard errors of the two measured taus' relative difference, if more: at T = 1 four 48-token
+# decodes leave tau ~5% noisy (the micro world: a chain's calibration tau 11% below its held-out one), and a tree
+# picked on noise can lose more than the margin
+TIE_Z = 1.0
 SETTLE_SEED = (
     20_000  # the seeds of the settling decodes: round r draws from SETTLE_SEED + r, every candidate alike
 )
@@ -152,6 +156,7 @@ class Plan:
     # tau, step, tokens per second and speedup measured on real decodes of the calibration prompts
     # (settle_by_decoding), not predicted; the model's own figures stay in tau_model and speedup_model
     measured: bool = False
+    tau_stderr: float | None = None  # of the measured tau, over its decode steps
     tau_model: float | None = None
     speedup_model: float | None = None
     # every candidate decoded when this plan was settled: tree, tau_model, tau, speedup_model, speedup, tokens
@@ -182,12 +187,13 @@ class Plan:
 @dataclass
 class Decoded:
     """Real decodes of one candidate (a tree, or None: AR): tokens emitted, speculative steps (row-steps in a
-    batch), draft tokens accepted in them, wall seconds."""
+    batch), draft tokens accepted in them and the sum of their squares (tau's standard error), wall seconds."""
 
     tokens: int = 0
     steps: int = 0
     accepted: int = 0
     seconds: float = 0.0
+    accepted_sq: int = 0
 
     def __add__(self, other: Decoded) -> Decoded:
         return Decoded(
@@ -195,11 +201,21 @@ class Decoded:
             self.steps + other.steps,
             self.accepted + other.accepted,
             self.seconds + other.seconds,
+            self.accepted_sq + other.accepted_sq,
         )
 
     @property
     def tau(self) -> float:
         return (self.accepted + self.steps) / self.steps if self.steps else 1.0
+
+    @property
+    def tau_stderr(self) -> float:
+        """tau's standard error over the steps (taken as independent); 0 below two steps."""
+        n = self.steps
+        if n < 2:
+            return 0.0
+        mean = self.accepted / n
+        return math.sqrt(max(self.accepted_sq / n - mean * mean, 0.0) / (n - 1))
 
     @property
     def tokens_per_s(self) -> float:
@@ -550,15 +566,27 @@ def settle_candidates(
     return near
 
 
-def pick_measured(plans: Sequence[Plan], tie: float = TIE_MARGIN) -> Plan:
-    """The fastest measured plan, except that a tree must be more than `tie` faster than the fastest measured
-    chain: a chain wins ties, and no tree that measured slower than the chain is ever returned."""
-    best = max(plans, key=lambda p: p.tokens_per_s)
+def tie_margin(tree: Plan, chain: Plan, tie: float = TIE_MARGIN, z: float = TIE_Z) -> float:
+    """How much faster than `chain` the measured `tree` must be to be chosen: `tie`, or `z` standard errors of the
+    relative difference of their measured taus if more (taken as independent: a pessimistic bound for the tree)."""
+    rel = [(p.tau_stderr or 0.0) / p.tau if p.tau > 0 else 0.0 for p in (tree, chain)]
+    return max(tie, z * math.hypot(*rel))
+
+
+def pick_measured(plans: Sequence[Plan], tie: float = TIE_MARGIN, z: float = TIE_Z) -> Plan:
+    """The fastest measured chain, unless a tree measured faster than it by more than its tie_margin (`tie`, or
+    `z` standard errors of the taus' difference): then the fastest such tree. A chain wins ties, and no tree that
+    measured slower than the chain is ever returned."""
     chains = [p for p in plans if p.is_chain]
-    if not chains or best.is_chain:
-        return best
+    if not chains:
+        return max(plans, key=lambda p: p.tokens_per_s)
     chain = max(chains, key=lambda p: p.tokens_per_s)
-    return best if best.tokens_per_s > (1.0 + tie) * chain.tokens_per_s else chain
+    clear = [
+        p
+        for p in plans
+        if not p.is_chain and p.tokens_per_s > (1.0 + tie_margin(p, chain, tie, z)) * chain.tokens_per_s
+    ]
+    return max(clear, key=lambda p: p.tokens_per_s) if clear else chain
 
 
 def settle_by_decoding(
@@ -568,16 +596,18 @@ def settle_by_decoding(
     band: float = SETTLE_BAND,
     most: int = SETTLE_MOST,
     tie: float = TIE_MARGIN,
+    z: float = TIE_Z,
 ) -> Plan:
     """The plan to use, by MEASURED tokens per second: the candidates of settle_candidates and AR are each decoded
     once a round, `decode(tree, round)` -> Decoded (tree None: AR), round r with the same prompt and the same
     seeded draws for every candidate, the order reversed every other round (ABBA, so a shared machine's drift hits
     all alike). Each candidate's tau, step and tokens per second are its sums over the rounds, its speedup is over
-    AR's tokens per second in the same rounds, and pick_measured chooses (a chain wins ties). Why measure: the
-    model's tau multiplies per-depth acceptances as if depths were independent (optimistic at T > 0 for any tree
-    with a multi-draw level: [2,2,1] predicted 2.90, decoded 2.53 on the tiny world), and its step adds up parts
-    that rank the top candidates, often within 1-2% of each other, wrongly. The plan returned is marked `measured`,
-    keeps the model's figures (tau_model, speedup_model) and lists every candidate decoded."""
+    AR's tokens per second in the same rounds, and pick_measured chooses (a chain wins ties: a tree must beat it by
+    `tie`, or by `z` standard errors of their taus' difference). Why measure: the model's tau multiplies per-depth
+    acceptances as if depths were independent (optimistic at T > 0 for any tree with a multi-draw level: [2,2,1]
+    predicted 2.90, decoded 2.53 on the tiny world), and its step adds up parts that rank the top candidates, often
+    within 1-2% of each other, wrongly. The plan returned is marked `measured`, keeps the model's figures
+    (tau_model, speedup_model) and lists every candidate decoded."""
     near = settle_candidates(ranked, band, most)
     trees: list[list[int] | None] = [None, *(p.tree for p in near)]
     runs = [Decoded() for _ in trees]
@@ -590,6 +620,7 @@ def settle_by_decoding(
         replace(
             plan,
             tau=run.tau,
+            tau_stderr=run.tau_stderr,
             step_ms=1e3 * run.seconds / max(run.steps, 1),
             tokens_per_s=run.tokens_per_s,
             speedup=run.tokens_per_s / ar_tps if ar_tps > 0 else 0.0,
@@ -607,10 +638,11 @@ def settle_by_decoding(
             "speedup_model": p.speedup_model,
             "speedup": p.speedup,
             "tokens": run.tokens,
+            "tau_stderr": p.tau_stderr,
         }
         for p, run in zip(settled, runs[1:], strict=True)
     ]
-    return replace(pick_measured(settled, tie), candidates=table)
+    return replace(pick_measured(settled, tie, z), candidates=table)
 
 
 class _CalibrationDecodes:
@@ -644,7 +676,9 @@ class _CalibrationDecodes:
         _sync(self.device)
         seconds = time.perf_counter() - t0
         stats = out.stats
-        return Decoded(stats.num_new_tokens, stats.num_drafts, stats.num_accepted_tokens, seconds)
+        return Decoded(
+            stats.num_new_tokens, stats.num_drafts, stats.num_accepted_tokens, seconds, stats.accepted_sq
+        )
 
 
 class _BatchedCalibrationDecodes:
@@ -673,17 +707,23 @@ class _BatchedCalibrationDecodes:
             )
         drafting = tree is not None
         dec.step(drafting)  # warm-up (and the draft's prefill)
-        before = [(r.stats.num_new_tokens, r.stats.num_drafts, r.stats.num_accepted_tokens) for r in dec.rows]
+
+        def counts(rows) -> list[tuple[int, ...]]:
+            return [
+                (r.stats.num_new_tokens, r.stats.num_drafts, r.stats.num_accepted_tokens, r.stats.accepted_sq)
+                for r in rows
+            ]
+
         rows = list(dec.rows)
+        before = counts(rows)
         t0 = time.perf_counter()
         for _ in range(self.steps):
             dec.step(drafting)
         seconds = time.perf_counter() - t0
-        after = [(r.stats.num_new_tokens, r.stats.num_drafts, r.stats.num_accepted_tokens) for r in rows]
-        tokens, steps, accepted = (
-            sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) for k in range(3)
+        tokens, steps, accepted, accepted_sq = (
+            sum(a[k] - b[k] for a, b in zip(counts(rows), before, strict=True)) for k in range(4)
         )
-        return Decoded(tokens, steps, accepted, seconds)
+        return Decoded(tokens, steps, accepted, seconds, accepted_sq)
 
 
 def _sync(device) -> None:

@@ -8,6 +8,7 @@ Then the measuring parts run on micro Llamas: calibration, verification cost, an
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -24,6 +25,7 @@ from resispec.decoding.planner import (
     SETTLE_PROMPTS,
     SETTLE_TOKENS,
     TIE_MARGIN,
+    TIE_Z,
     CostModel,
     Decoded,
     ForwardProbe,
@@ -43,6 +45,7 @@ from resispec.decoding.planner import (
     rank_trees,
     settle_by_decoding,
     settle_candidates,
+    tie_margin,
 )
 from resispec.decoding.tree import max_tree_nodes
 from resispec.errors import UserError
@@ -253,6 +256,19 @@ def test_a_chain_is_always_decoded_and_wins_ties():
         assert settle_by_decoding(ranked, decode, rounds=2).tree == winner, tree_tps
     assert pick_measured([_plan([2, 1], 200), _plan([1, 1], 150), _plan([1], 160)]).tree == [2, 1]
     assert pick_measured([_plan([2, 1], 160), _plan([1, 1], 150), _plan([1], 160)]).tree == [1]
+
+
+def test_a_tree_ahead_of_the_chain_by_less_than_the_noise_loses():
+    """The tie margin widens to TIE_Z standard errors of the two measured taus' relative difference: a tree 5%
+    faster than the chain on taus each 5% noisy (a 7% margin) is a tie, and goes to the chain; on 1% noise it wins.
+    Decoded's standard error is tau's over the steps."""
+    d = Decoded(tokens=30, steps=10, accepted=20, seconds=1.0, accepted_sq=50)  # 2 +- 1 accepted a step
+    assert d.tau == 3.0 and d.tau_stderr == pytest.approx(math.sqrt((50 / 10 - 4) / 9))
+    for noise, winner in ((0.05, [1, 1]), (0.01, [2, 1])):
+        tree, chain = _plan([2, 1], 157.5, 2.5), _plan([1, 1], 150.0, 2.5)
+        tree.tau_stderr = chain.tau_stderr = noise * 2.5
+        assert tie_margin(tree, chain) == pytest.approx(max(TIE_MARGIN, TIE_Z * noise * math.sqrt(2)))
+        assert pick_measured([tree, chain]).tree == winner, noise
 
 
 def test_the_product_models_favourite_that_decodes_slower_loses_to_the_chain():
