@@ -165,16 +165,21 @@ def solve_resispec_T(
         t = _bisect(lambda t: _resispec_g_scalar(f, mass, t, n) < 0, n, num_steps)
         return torch.tensor([t], dtype=p.dtype)
     lo, hi = total * 0 + 1, total * 0 + n
-    points = _grid_points(total.shape[0])
-    per_round = (points + 1).bit_length() - 1  # halvings per round
-    ticks = torch.arange(1, points + 1, dtype=torch.float64)  # [K]
-    ticks = ticks.numpy() if isinstance(total, np.ndarray) else ticks.to(total)
-    for _ in range(-(-num_steps // per_round)):  # ceil
+    per_round = (_grid_points(total.shape[0]) + 1).bit_length() - 1  # halvings per round
+    # exactly num_steps halvings whatever the batch size (the last round takes the halvings left), so a row's T,
+    # hence its plan and its output for given uniforms, never depends on how many rows share the call
+    left = num_steps
+    while left > 0:
+        halvings = min(per_round, left)
+        points = (1 << halvings) - 1
+        ticks = torch.arange(1, points + 1, dtype=torch.float64)  # [K]
+        ticks = ticks.numpy() if isinstance(total, np.ndarray) else ticks.to(total)
         step = (hi - lo) / (points + 1)
         grid = lo[:, None] + step[:, None] * ticks  # [B, K] increasing; grid point j is lo + step * (j + 1)
         # g is nondecreasing in T: the first num_neg grid points have g < 0, the rest g >= 0
         num_neg = (_resispec_g(profile, total, grid, n) < 0).sum(-1)  # [B]
         lo, hi = lo + step * num_neg, lo + step * (num_neg + 1)
+        left -= halvings
     return _to_torch(hi, p)
 
 
