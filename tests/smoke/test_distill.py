@@ -71,10 +71,14 @@ def test_distill_writes_a_plain_hf_draft_that_generate_accepts(pair, tmp_path):
         assert (out / name).exists(), name
     metrics = json.loads((out / "metrics.json").read_text())
     for phase in ("before", "after"):
-        assert metrics[phase]["tau"]["resispec"] >= 1.0
         assert set(metrics[phase]["alpha"]["resispec"]) == {"1", "2"}
         assert "rsd" not in metrics[phase]["tau"]  # no closed form: not simulated
     assert len(metrics["losses"]) == 6 and all(map(lambda v: v == v, metrics["losses"]))
+    # distillation works: on the held-out positions the draft's fkl to the target falls and the simulated tau of
+    # the serving rule rises (the micro draft starts far from its target: both move by far more than noise)
+    before, after = metrics["before"], metrics["after"]
+    assert after["fkl"] < 0.9 * before["fkl"], (before["fkl"], after["fkl"])
+    assert after["tau"]["resispec"] > before["tau"]["resispec"] + 0.02, (before["tau"], after["tau"])
     # the step's throughput: response tokens over the time spent in optimizer steps
     assert metrics["train_step_seconds"] > 0 and metrics["tokens"] > 0
     assert metrics["train_tokens_per_s"] == pytest.approx(
@@ -156,10 +160,14 @@ def test_lora_with_cached_targets_saves_adapter_and_merged_draft(pair, tmp_path)
 @pytest.mark.parametrize("loss", ["fkl", "rkl", "jsd", "tvd"])
 def test_every_divergence_trains(pair, tmp_path, loss):
     train = TrainConfig(
-        num_threads=1, max_steps=2, batch_size=4, eval_every=0, save_every=0, eval_positions=20
+        num_threads=1, max_steps=3, batch_size=4, eval_every=0, save_every=0, eval_positions=20
     )
     result = run_distill(pair, tmp_path / loss, loss=LossConfig(name=loss), train=train)
-    assert len(result.metrics["losses"]) == 2 and result.metrics["losses"][0] > 0
+    losses = result.metrics["losses"]
+    assert len(losses) == 3 and all(v > 0 for v in losses), losses
+    # every divergence moves the draft toward the target: the held-out fkl falls
+    before, after = result.metrics["before"], result.metrics["after"]
+    assert after["fkl"] < before["fkl"], (loss, before["fkl"], after["fkl"])
 
 
 def test_rule_without_closed_form_is_a_config_error(pair, tmp_path):
