@@ -20,7 +20,8 @@ plans predicted within SETTLE_BAND of the best (at most SETTLE_MOST), and always
 the same rule, are DECODED for real on the calibration prompts (settle_by_decoding): one generation per prompt
 each, the same seeded draws for every candidate, AR in the same rounds, ABBA order. Their tau and tokens per
 second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
-of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans speculation are settled the same way on a few real batched steps.
+of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans
+speculation are settled the same way on a few real batched steps.
 """
 
 from __future__ import annotations
@@ -561,8 +562,10 @@ def settle_candidates(
     best-ranked plain chain, always (appended when the model ranked it outside)."""
     top = ranked[0].tokens_per_s
     near = [p for p in ranked if p.tokens_per_s >= (1.0 - band) * top][:most]
-    if not any(p.is_chain for p in near):
-        near += [next(p for p in ranked if p.is_chain)]
+    # always ranked, unless the caller's candidates had none
+    chain = next((p for p in ranked if p.is_chain), None)
+    if chain is not None and not any(p.is_chain for p in near):
+        near.append(chain)
     return near
 
 
