@@ -12,7 +12,7 @@ read; a local folder holding only config.json works), reads the sharding from an
 | optimizer | AdamW: trainable x 8 (two float32 moments); / P when sharded (FSDP, ZeRO-1/2/3); 0 when offloaded |
 | cached top-K | one batch of the cached signal: B x T x K x (4 + 8) (float32 log-probs, int64 ids, as the loss reads them) |
 | activations | per process (train.batch_size rows of data.seq_len tokens, not divided by P): the draft's saved activations, B x T x (6h + 2 kv + 4 I) per layer in the compute dtype (SDPA attention: no T x T scores), plus its final hidden states; with an online target, one layer's transient activations |
-| loss | the chunked loss (resispec.losses.distill_loss_rows) over N = B x min(data.regen.max_new_tokens, T - 1) response positions: the draft's hidden rows and their gradient [N, h] float32, the online target's rows [N, h_t], the LM head's gradient accumulator [V, h] float32 (full training), and one chunk's working set, LOSS_CHUNK_COPIES float32 [loss.chunk_size, V] |
+| loss | the chunked loss (resispec.losses.distill_loss_rows) over N = B x min(data.regen.max_new_tokens, T - 1) response positions: the draft's hidden rows and their gradient [N, h] float32, the online target's rows [N, h_t], the LM head's gradient accumulator [V, h] float32 (full training), and one chunk's working set, LOSS_CHUNK_COPIES float32 [loss.chunk_size, V]; under FSDP or DeepSpeed the draft computes its rows' logits inside its forward: [N, V] in the compute dtype, a float32 copy and its float32 gradient instead of the head's accumulator |
 
 These are estimates of the steady state: allocator fragmentation, the CUDA context (~0.5-1 GiB), FSDP's
 unsharded layer during compute and communication buffers come on top. The parameter counts are exact.
@@ -30,7 +30,7 @@ from resispec.errors import UserError
 GIB = 2**30
 # float32 [chunk, V] tensors alive at the peak of one chunk of the loss (logits of both sides, their log-probs,
 # exp, the KL's products, the logits' gradient, ...): measured on fkl with resispec.analysis.loss_memory
-LOSS_CHUNK_COPIES = 9
+LOSS_CHUNK_COPIES = 8.5
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 2}
 
 
@@ -181,8 +181,10 @@ def plan_memory(
     n_rows = b * min(response_len or t, t - 1)  # response positions: the loss's rows
     chunk = min(chunk_size or n_rows, n_rows)
     head_grad = 0 if lora else draft.vocab * draft.hidden * 4
-    loss_bytes = n_rows * draft.hidden * 8 + head_grad + LOSS_CHUNK_COPIES * chunk * draft.vocab * 4
+    loss_bytes = n_rows * draft.hidden * 8 + head_grad + int(LOSS_CHUNK_COPIES * chunk * draft.vocab * 4)
     loss_bytes += n_rows * target.hidden * bt if online else 0
+    if sharding.label.startswith(("FSDP", "DeepSpeed")):  # the draft computes its rows' logits in its forward
+        loss_bytes += n_rows * draft.vocab * (act + 4 + 4) - head_grad  # logits, float32 copy, their gradient
 
     target_note = f"{target.params / 1e9:.2f}B params in {target_dtype}, replicated (frozen, not wrapped)"
     draft_note = f"{draft.params / 1e9:.3f}B params" + (" (LoRA base frozen)" if lora else ", float32 master")
@@ -318,12 +320,14 @@ class _SyntheticRows:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": self.loss_mask[idx]}
 
 
-def measure_step(job) -> dict:
-    """One real distillation step (the loop's `_train_step`: draft forward, online target forward, chunked loss,
-    backward, AdamW step) of `job`'s models on this machine's CPU, on synthetic rows of the plan's shape
-    (train.batch_size rows of data.seq_len tokens, the last min(data.regen.max_new_tokens, seq_len - 1) the response).
-    Linux only. Returns {measured_gib, predicted_gib, plan rows, step_s}: measured = the process's peak resident
-    memory during setup's model load and the step, minus its resident memory before the models loaded."""
+def measure_step(job, models: tuple | None = None, steps: int = 1) -> dict:
+    """Real distillation steps (the loop's `_train_step`: draft forward, online target forward, chunked loss,
+    backward, AdamW step) of `job`'s models, loaded from job.target / job.draft or given as (target, draft) on
+    their device, on synthetic rows of the plan's shape (train.batch_size rows of data.seq_len tokens, the last
+    min(data.regen.max_new_tokens, seq_len - 1) the response). Returns {measured_gib, predicted_gib, plan rows,
+    step_s (the last step's), tokens_per_s, ...}. measured: on the CPU (Linux) the process's peak resident memory
+    over model load and steps, minus its resident memory before; on CUDA the peak allocated by torch (models
+    included: load them after `torch.cuda.reset_peak_memory_stats`) and the peak reserved beside it."""
     import dataclasses
     import time
     from types import SimpleNamespace
@@ -331,17 +335,20 @@ def measure_step(job) -> dict:
     from resispec.training import loop
 
     torch.set_num_threads(max(1, job.train.num_threads or torch.get_num_threads()))
-    # one micro-batch, one optimizer step: the peak of a step (the AdamW moments are allocated at the first one)
-    job = dataclasses.replace(job, train=dataclasses.replace(job.train, grad_accum=1, max_steps=1))
-    base = _status_kib("VmRSS")
+    # one micro-batch per optimizer step: the peak of a step (the AdamW moments are allocated at the first one)
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, grad_accum=1, max_steps=steps))
+    if models is None:
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the resident memory now
+        base = _status_kib("VmRSS")
     accelerator = loop._make_accelerator(job)
-    target, draft, _tok = _load_pair(job)
+    target, draft = _load_pair(job)[:2] if models is None else models
+    cuda = accelerator.device.type == "cuda"
     plan = run_plan(job, accelerator, target, draft)
     draft, optimizer, scheduler, _ = loop._prepare_draft(accelerator, job, draft)
     seq = job.data.seq_len
     response = min(job.data.regen.max_new_tokens, seq - 1)
     vocab = min(target.config.vocab_size, draft.config.vocab_size if hasattr(draft, "config") else 10**9)
-    packed = _SyntheticRows(job.train.batch_size, seq, response, vocab)
+    packed = _SyntheticRows(job.train.batch_size * steps, seq, response, vocab)
     run = SimpleNamespace(
         job=job,
         accelerator=accelerator,
@@ -352,18 +359,32 @@ def measure_step(job) -> dict:
         scheduler=scheduler,
         state=loop.TrainerState(),
     )
-    t0 = time.perf_counter()
-    loop._train_step(run)
-    seconds = time.perf_counter() - t0
-    peak = _status_kib("VmHWM")
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loop._train_step(run)
+        if cuda:
+            torch.cuda.synchronize(accelerator.device)
+        times.append(time.perf_counter() - t0)
+    if cuda:
+        measured = torch.cuda.max_memory_allocated(accelerator.device) / GIB
+        extra = {"reserved_gib": round(torch.cuda.max_memory_reserved(accelerator.device) / GIB, 3)}
+    else:
+        measured, extra = (_status_kib("VmHWM") - base) / 2**20 if models is None else float("nan"), {}
+    tokens = job.train.batch_size * response
     return {
-        "measured_gib": round((peak - base) / 2**20, 3),
+        "measured_gib": round(measured, 3),
         "predicted_gib": round(plan.total / GIB, 3),
+        **extra,
         "plan": {n: round(b / GIB, 4) for n, b, _ in plan.rows},
-        "step_s": round(seconds, 2),
+        "step_s": round(times[-1], 3),
+        "step_times_s": [round(t, 3) for t in times],
+        "tokens_per_s": round(tokens / times[-1], 1),
         "batch_size": job.train.batch_size,
         "seq_len": seq,
-        "response_positions": job.train.batch_size * response,
+        "response_positions": tokens,
+        "device": str(accelerator.device),
+        "mixed_precision": str(accelerator.mixed_precision),
     }
 
 
