@@ -112,3 +112,77 @@ def test_joint_law_of_three_tokens_on_a_chain(rule, world):
     """A chain: the lean walk verifies its one-draw nodes in one batched rule call (walk.chain_from; with 3 tokens
     to emit, the first step drafts 2 deep and verifies the root and depth 1 together)."""
     check_rule(rule, 300, world, lean=True, tree=[1, 1, 1])
+
+
+# ---------------------------------------------------------------------------------------------- power against a
+# position off by one. The plant: the target's verify forward puts every tree node one position too far (the root
+# stays right). The 300-sample test above does NOT see it (measured: X^2 = 14.9 against a critical value of 39.1 for
+# resispec on [2, 2, 1]); at temperature 0 the attending target makes it a deterministic failure, which is what the
+# default run relies on; the slow test shows what the joint-law test needs.
+
+
+def _off_by_one(verify_tree):
+    """SpeculativeDecoder._verify_tree with every position below the root one too far (the plant): the target
+    forward it makes (engine.forward_logits, or engine.target_forward with a draft head) gets pos + 1 off the root."""
+    from resispec.decoding import engine
+
+    def shifted(fn, pos_index):
+        def call(*args, **kwargs):
+            args = list(args)
+            pos = args[pos_index]
+            args[pos_index] = pos + (pos > pos[..., :1]).long()
+            return fn(*args, **kwargs)
+
+        return call
+
+    def planted(self, tree, tcache, num_committed):
+        saved = engine.forward_logits, engine.target_forward
+        engine.forward_logits = shifted(saved[0], 3)  # (fwd, ids, cache, pos, mask)
+        engine.target_forward = shifted(saved[1], 4)  # (fwd, layers, ids, cache, pos, mask)
+        try:
+            return verify_tree(self, tree, tcache, num_committed)
+        finally:
+            engine.forward_logits, engine.target_forward = saved
+
+    return planted
+
+
+@pytest.fixture
+def position_off_by_one(monkeypatch):
+    from resispec.decoding import engine
+
+    monkeypatch.setattr(
+        engine.SpeculativeDecoder, "_verify_tree", _off_by_one(engine.SpeculativeDecoder._verify_tree)
+    )
+
+
+def _greedy_matches(world, rule: str) -> bool:
+    """Speculative greedy == target greedy (argmax of a full forward per token) on 6 prompts x 12 tokens."""
+    target, draft, _, _ = world
+    dec = SpeculativeDecoder(target, draft, rule=rule, tree=TREE)
+    for first in range(6):
+        ids = torch.tensor([[first, 3, 7]])
+        got = dec.generate(ids, max_new_tokens=12, temperature=0.0, eos_token_id=[]).sequences
+        with torch.no_grad():
+            for _ in range(12):
+                ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        if not torch.equal(got, ids):
+            return False
+    return True
+
+
+def test_greedy_identity_on_the_attending_target(world):
+    assert _greedy_matches(world, "resispec")
+
+
+def test_greedy_identity_sees_a_position_off_by_one(world, position_off_by_one):
+    """The plant fails the default run: on the attending target, greedy tokens change."""
+    assert not _greedy_matches(world, "resispec")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_joint_law_test_with_many_samples_sees_a_position_off_by_one(world, position_off_by_one):
+    """The sample-heavy joint-law test (5000 samples) rejects the planted decoder."""
+    with pytest.raises(AssertionError, match="output law differs"):
+        check_rule("resispec", 5000, world, lean=True)
