@@ -8,8 +8,12 @@ Statistical bounds, derived from the sample size N per case (not tuned):
 - empirical acceptance (slot >= 0) vs the closed form alpha (rsd: the reference rsd_wor): within 4 standard
   errors sqrt(alpha (1 - alpha) / N); the variance is floored at 1/N so that alpha in {0, 1} tolerates float
   rounding of a few draws.
-- large V: Pearson chi-square of the emitted tokens against p, tail tokens merged into bins with expected count
-  >= 5; reject at significance 1e-4 (fixed seed).
+- large V: Pearson chi-square of the emitted tokens against p on 10 bins of tokens sorted by q/p, sized by power
+  (the "large V" section below); reject at significance 1e-4 (fixed seed).
+- Power of the reference-case TV bound: it rejects a deviation of TV >= E[TV] + bound + eps_0.01 with >= 99%
+  (McDiarmid again, eps_0.01 = sqrt(log(100) / (2N))), i.e. TV ~ 0.02 at N = 1e5; exactness to 1e-9 on the same
+  cases comes from test_verify_enumeration.py (exact laws), so this test checks the batched float32 paths and the
+  acceptance rates, not small deviations.
 """
 
 from __future__ import annotations
@@ -112,11 +116,24 @@ def check_sampling(groups, name: str, num_per_case: int, acceptance: bool = True
 
 
 # ---------------------------------------------------------------------------------------------- large V
-
+# Power, not habit. The defect to catch: a rule that emits its first draft instead of verifying on a fraction w of
+# the nodes (output law (1 - w) p + w q1, q1 the first draft's law: q here). The test is a Pearson chi-square on
+# RATIO_BINS bins of equal p-mass, tokens sorted by q/p (a verification defect moves mass along that ratio; the
+# per-token bins of the old test spread the same signal over ~180 cells and caught only w ~ 0.3 at 1024 samples).
+# Noncentrality lambda = N w^2 chi2(q || p) over the bins (chi2 = 0.77 on this pair); at level 1e-4 and 9 degrees of
+# freedom, 99% power needs lambda >= 58 (scipy.stats.ncx2). Default: N = 1024 (the old size: a V = 32k verification
+# is costly, resispec_wor's most, ~1 min at 4096 on 2 loaded cores) catches w = 0.3 (TV 0.095) with >= 99%; slow:
+# N = 32768 catches w = 0.05 (TV 0.016). test_large_vocab_test_has_its_power checks both numbers and runs the
+# planted rule. (Exactness to 1e-9 at small V is the enumeration's job: test_verify_enumeration.py.)
 LARGE_V = 32_768
 LARGE_N = 4
 LARGE_SAMPLES = 1_024
+LARGE_SAMPLES_SLOW = 32_768
 LARGE_BATCH = 512
+RATIO_BINS = 10
+LEVEL = 1e-4
+POWER = 0.99
+CAUGHT_W, CAUGHT_W_SLOW = 0.3, 0.05
 
 
 @pytest.fixture(scope="module")
@@ -129,43 +146,98 @@ def large_pair() -> tuple[torch.Tensor, torch.Tensor]:
     return p, q
 
 
-def binned_counts(p: np.ndarray, counts: np.ndarray, num: int) -> tuple[np.ndarray, np.ndarray]:
-    """Observed and expected counts with every bin expecting >= 5: big tokens alone, the tail (sorted by p)
-    merged into consecutive bins."""
-    expected = p * num
-    order = np.argsort(-expected)
-    exp_s, obs_s = expected[order], counts[order]
-    alone = exp_s >= 5
-    tail_e, tail_o = exp_s[~alone], obs_s[~alone]
-    bin_id = np.floor(np.cumsum(tail_e) / 5).astype(int)
-    bin_id = np.minimum(bin_id, max(bin_id.max() - 1, 0))  # the last partial bin joins the previous one
-    be = np.bincount(bin_id, weights=tail_e)
-    bo = np.bincount(bin_id, weights=tail_o)
-    return np.concatenate([obs_s[alone], bo]), np.concatenate([exp_s[alone], be])
+def ratio_bins(p: np.ndarray, q: np.ndarray, k: int = RATIO_BINS) -> np.ndarray:
+    """Bin of each token [V]: tokens sorted by q/p, cut into k bins of equal p-mass."""
+    order = np.argsort(q / np.maximum(p, 1e-300), kind="stable")
+    cum = np.cumsum(p[order]) / p.sum()
+    bins = np.empty(p.shape[0], dtype=int)
+    bins[order] = np.minimum((cum * k).astype(int), k - 1)
+    return bins
 
 
-@pytest.mark.parametrize("name", SAMPLING_RULES)
-def test_large_vocab_chi_square(large_pair, name):
-    p1, q1 = large_pair
-    rule = VERIFIERS[name]
+def binned_pvalue(p: np.ndarray, q: np.ndarray, counts: np.ndarray) -> float:
+    """Pearson chi-square p-value of token counts [V] against p, on the ratio bins."""
+    bins = ratio_bins(p, q)
+    obs = np.bincount(bins, weights=counts, minlength=RATIO_BINS)
+    exp = np.bincount(bins, weights=p, minlength=RATIO_BINS)
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+def power_at(p: np.ndarray, q: np.ndarray, w: float, num: int) -> float:
+    """P(the binned test rejects at LEVEL) for the law (1 - w) p + w q with num samples (noncentral chi-square)."""
+    bins = ratio_bins(p, q)
+    pb = np.bincount(bins, weights=p, minlength=RATIO_BINS)
+    qb = np.bincount(bins, weights=q, minlength=RATIO_BINS)
+    lam = num * w * w * float(((qb - pb) ** 2 / pb).sum())
+    df = RATIO_BINS - 1
+    return float(stats.ncx2.sf(stats.chi2.ppf(1 - LEVEL, df), df, lam))
+
+
+class FirstDraftSometimes:
+    """The planted defect: `rule`, except that on a fraction w of the nodes it emits its first draft unverified."""
+
+    def __init__(self, rule, w: float, seed: int = 5) -> None:
+        self.rule, self.w, self.gen = rule, w, torch.Generator().manual_seed(seed)
+        self.name, self.closed_form_draws = rule.name, 0
+
+    def propose(self, q, n, generator=None):
+        return self.rule.propose(q, n, generator)
+
+    def verify(self, p, proposal, generator=None):
+        token, slot = self.rule.verify(p, proposal, generator)
+        first = proposal.token_ids[:, 0]
+        cheat = (torch.rand(first.shape, generator=self.gen) < self.w) & (first >= 0)
+        return torch.where(cheat, first, token), torch.where(cheat, 0, slot)
+
+
+def large_vocab_run(rule, p1: torch.Tensor, q1: torch.Tensor, num: int) -> tuple[float, int]:
+    """(p-value of the binned chi-square, accepted nodes) of `num` verifications of the fixed pair."""
     gen = torch.Generator().manual_seed(99)
     counts = torch.zeros(LARGE_V, dtype=torch.long)
     accepted = 0
-    for _ in range(LARGE_SAMPLES // LARGE_BATCH):
+    for _ in range(num // LARGE_BATCH):
         p, q = p1.expand(LARGE_BATCH, -1).contiguous(), q1.expand(LARGE_BATCH, -1).contiguous()
         token, slot = rule.verify(p, rule.propose(q, LARGE_N, gen), gen)
         counts += torch.bincount(token, minlength=LARGE_V)
         accepted += int((slot >= 0).sum())
-    obs, exp = binned_counts(p1[0].double().numpy(), counts.numpy(), LARGE_SAMPLES)
-    exp = exp * obs.sum() / exp.sum()  # float32 p sums to 1 only up to rounding
-    result = stats.chisquare(obs, exp)
-    assert result.pvalue > 1e-4, (name, result)
+    pvalue = binned_pvalue(p1[0].double().numpy(), q1[0].double().numpy(), counts.numpy())
+    return pvalue, accepted
+
+
+def check_large_vocab(rule, p1, q1, num: int) -> None:
+    pvalue, accepted = large_vocab_run(rule, p1, q1, num)
+    assert pvalue > LEVEL, (rule.name, pvalue)
     if not covers(rule.closed_form_draws, LARGE_N):
         return
     # the fast float32 CPU path (sorted ratio profile) must also give the closed-form acceptance
     alpha = rule.acceptance(p1.double(), q1.double(), LARGE_N).item()
-    se = math.sqrt(max(alpha * (1 - alpha), 1 / LARGE_SAMPLES) / LARGE_SAMPLES)
-    assert abs(accepted / LARGE_SAMPLES - alpha) <= NUM_SE * se, (name, accepted / LARGE_SAMPLES, alpha)
+    se = math.sqrt(max(alpha * (1 - alpha), 1 / num) / num)
+    assert abs(accepted / num - alpha) <= NUM_SE * se, (rule.name, accepted / num, alpha)
+
+
+@pytest.mark.parametrize("name", SAMPLING_RULES)
+def test_large_vocab_chi_square(large_pair, name):
+    check_large_vocab(VERIFIERS[name], *large_pair, LARGE_SAMPLES)
+
+
+@pytest.mark.slow  # 32x the default's samples: catches w = 0.05
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("name", SAMPLING_RULES)
+def test_large_vocab_chi_square_many_samples(large_pair, name):
+    check_large_vocab(VERIFIERS[name], *large_pair, LARGE_SAMPLES_SLOW)
+
+
+def test_large_vocab_test_has_its_power(large_pair):
+    """The stated power holds (noncentral chi-square on this pair), and the planted defect at the default's w
+    (resispec emitting its first draft on 30% of the nodes) fails the default test; at w = 0.05 only the slow size
+    has the power."""
+    p1, q1 = large_pair
+    p, q = p1[0].double().numpy(), q1[0].double().numpy()
+    assert power_at(p, q, CAUGHT_W, LARGE_SAMPLES) >= POWER
+    assert power_at(p, q, CAUGHT_W_SLOW, LARGE_SAMPLES_SLOW) >= POWER
+    assert power_at(p, q, CAUGHT_W_SLOW, LARGE_SAMPLES) < 0.5  # why the small deviation needs the slow test
+    pvalue, _ = large_vocab_run(FirstDraftSometimes(VERIFIERS["resispec"], CAUGHT_W), p1, q1, LARGE_SAMPLES)
+    assert pvalue < LEVEL, pvalue
 
 
 def test_draw_distinct_is_sampling_without_replacement():
