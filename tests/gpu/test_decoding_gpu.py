@@ -19,7 +19,7 @@ VOCAB = 96
 @pytest.fixture(scope="module")
 def pairs():
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity, not TF32
-    target = micro_llama(64, 2, VOCAB, seed=0)
+    target = micro_llama(64, 2, VOCAB, seed=0, attention_gain=(8.0, 4.0))  # positions and masks count
     draft = noisy_copy(target, 0.5, seed=1)
     return (target, draft), (copy.deepcopy(target).cuda(), copy.deepcopy(draft).cuda())
 
@@ -63,10 +63,23 @@ def test_greedy_cpu_cuda_parity(pairs, rule, tree):
         assert torch.equal(ar.sequences.cpu(), ref.sequences)
 
 
-def test_sampling_runs_on_cuda(pairs):
-    t_gpu, d_gpu = pairs[1]
-    dec = SpeculativeDecoder(t_gpu, d_gpu, rule="resispec", tree=[4, 2, 1, 1])
+@pytest.mark.parametrize("rule", ["resispec", "rrs", "gumbel"])
+def test_sampling_on_cuda_follows_the_target_law(rule):
+    """The batch-1 joint-law test (tests/unit/test_decoding_exactness.py: the first 3 tokens' law, Pearson X^2 at
+    a checked power) with the decoder, its models and its generator on CUDA."""
+    from tests.unit import test_decoding_exactness as ex
+
+    target = micro_llama(32, 1, ex.VOCAB, seed=0, scale=24.0, attention_gain=(8.0, 4.0))
+    draft = noisy_copy(target, 0.6, seed=1)
+    joint, num = ex.exact_joint(target), 300
+    crit = ex.powered_critical_value(joint, ex.exact_joint(draft), num)
+    dec = SpeculativeDecoder(target.cuda(), draft.cuda(), rule=rule, tree=ex.TREE)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    out = dec.generate(torch.tensor([[1, 2, 3]], device="cuda"), max_new_tokens=32, generator=gen, top_p=0.9)
-    assert out.sequences.shape == (1, 35) and out.sequences.device.type == "cuda"
-    assert out.stats.num_drafts > 0 and out.stats.tau >= 1.0
+    counts = torch.zeros(ex.VOCAB**3, dtype=torch.long)
+    for _ in range(num):
+        out = dec.generate(ex.PROMPT.cuda(), max_new_tokens=3, eos_token_id=[], generator=gen, **ex.SETTINGS)
+        assert out.sequences.device.type == "cuda"
+        a, b, c = out.sequences[0, 1:].tolist()
+        counts[(a * ex.VOCAB + b) * ex.VOCAB + c] += 1
+    stat, df = ex.pearson(counts.reshape(ex.VOCAB, ex.VOCAB, ex.VOCAB), joint, num)
+    assert stat < crit, (rule, stat, crit, df)
