@@ -616,30 +616,36 @@ def test_overhead_is_scaled_to_the_speed_of_the_tables(micro_pair, monkeypatch):
 
 def test_overhead_leaves_out_the_prefill(micro_pair, monkeypatch):
     """measure_overhead times the steps after the first: the first carries the prompt's prefill on both models. A
-    decoder whose first chunk takes 300 ms and every later step 10 ms measures ~10 ms a step, not ~40."""
-    import time
-
+    decoder whose first chunk takes 300 ms and every later step 10 ms measures 10 ms a step, not ~40. (On a clock
+    the fake steps advance: slept, a loaded machine's oversleeping failed the test.)"""
     from resispec.decoding import SpeculativeDecoder
+    from resispec.decoding import planner as planner_mod
     from resispec.decoding.planner import measure_overhead
     from resispec.decoding.stats import DecodeStats
+
+    now = [0.0]
+
+    class Clock:  # planner_mod's `time`, with a perf_counter the fake steps advance
+        perf_counter = staticmethod(lambda: now[0])
 
     def fake_stream(self, ids, **kwargs):
         self.last_stats = stats = DecodeStats()
 
         def steps():
             for i in range(10):
-                time.sleep(0.3 if i == 0 else 0.01)
+                now[0] += 0.3 if i == 0 else 0.01
                 stats.num_drafts += 1
                 yield [i]
 
         return steps()
 
+    monkeypatch.setattr(planner_mod, "time", Clock)
     monkeypatch.setattr(SpeculativeDecoder, "generate_stream", fake_stream)
     monkeypatch.setattr(SpeculativeDecoder, "generate", lambda self, ids, **kw: None)
     target, draft = micro_pair
     free = CostModel({1: 0.0, 2: 0.0, 3: 0.0, 5: 0.0, 6: 0.0}, {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0})
     ms = measure_overhead(target, draft, "chain", [1, 2, 3], {"temperature": 0.0}, free)
-    assert 9 < ms < 25
+    assert ms == pytest.approx(10.0)
 
 
 # ------------------------------------------------------------------------------------------------ decode.tree=auto
