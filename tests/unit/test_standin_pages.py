@@ -49,6 +49,19 @@ def _plan_gib(recipe: str, launch: str) -> float:
     return float(json.loads(text)["per_device_gib"])
 
 
+def _run_length(t) -> str:
+    parts = [
+        f"{t.epochs:g} epochs" if t.epochs else None,
+        f"at most {t.max_steps} steps" if t.max_steps else None,
+    ]
+    evals = (
+        f"{t.num_evals} evaluations"
+        if getattr(t, "num_evals", None)
+        else f"an evaluation every {t.eval_every} steps"
+    )
+    return ", ".join(p for p in parts if p) + f"; {evals}"
+
+
 def numbers_block(recipe: str) -> str:
     c = _config(recipe)
     t = c.train
@@ -58,7 +71,7 @@ def numbers_block(recipe: str) -> str:
         ("loss", c.loss.name),
         ("batch per GPU x grad_accum", f"{t.batch_size} x {t.grad_accum}"),
         ("sequence length", str(c.data.seq_len)),
-        ("steps", str(t.max_steps)),
+        ("run length", _run_length(t)),
         ("train / eval / bench split", f"{c.data.split} / {c.data.eval_split} / {c.data.test_split}"),
         ("held-out positions for the best checkpoint", str(t.eval_positions)),
     ]
@@ -90,6 +103,12 @@ def test_recipe_page_numbers_come_from_the_config_and_the_plan(recipe):
     # the prose around the block names the same loss, and the page shows the stand-in command that runs it
     assert f"loss `{_config(recipe).loss.name}`" in text
     assert f"python train/pipeline.py +recipe={recipe} standin=true" in text
+    # ... with the very overrides the smoke test runs (tests/smoke/test_standin.py)
+    from tests.smoke.test_standin import SHORT, SHORT_BENCH
+
+    start = text.index(f"python train/pipeline.py +recipe={recipe} standin=true")
+    command = text[start : text.index("```", start)].replace("\\\n", " ").replace("'", "").split()
+    assert sorted(command[4:]) == sorted(o for o in SHORT + SHORT_BENCH if not o.startswith("logger."))
     assert len(text.splitlines()) <= 110
 
 
