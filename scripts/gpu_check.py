@@ -90,7 +90,7 @@ def part_world(out: Path, dry: bool) -> dict:
             "bench.plan_rules=[]",
             "bench.num_prompts=1",
         ]
-        extra += ["bench.max_new_tokens=8", "bench.warmup=0", "bench.temperatures=[1.0]"]
+        extra += ["bench.max_new_tokens=4", "bench.warmup=0", "bench.temperatures=[1.0]"]
     else:
         extra = ["bench.trees=[[1,1,1,1]]", "bench.num_prompts=3", "bench.max_new_tokens=48"]
     cmd = [sys.executable, "serve/bench.py", *_world_overrides(dry), f"bench.output_dir={bench_dir}"]

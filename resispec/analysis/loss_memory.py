@@ -76,6 +76,7 @@ def measure(vocab: int, positions: int, rows: int, loss_name: str, chunk: int | 
 
     from resispec.decoding.config import DecodeConfig
     from resispec.losses import LossConfig
+    from resispec.models.config import ModelConfig
     from resispec.training import loop
     from resispec.training.config import TrainConfig
 
@@ -87,6 +88,7 @@ def measure(vocab: int, positions: int, rows: int, loss_name: str, chunk: int | 
     if chunk is not None and hasattr(loss_cfg, "chunk_size"):
         loss_cfg.chunk_size = chunk
     job = SimpleNamespace(loss=loss_cfg, decode=DecodeConfig(), train=TrainConfig(target_signal="online"))
+    job.draft = ModelConfig()  # a standalone draft model, as the loop reads it
     run = SimpleNamespace(job=job, draft=draft, target=target, accelerator=acc)
 
     def step() -> float:
