@@ -85,7 +85,7 @@ def part_world(out: Path, dry: bool) -> dict:
     bench_dir = out / "bench"
     if dry:
         extra = [
-            "bench.rules=[chain,resispec]",
+            "bench.rules=[resispec]",
             "bench.trees=[[1,1]]",
             "bench.plan_rules=[]",
             "bench.num_prompts=1",
