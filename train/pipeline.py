@@ -122,6 +122,15 @@ def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: d
     sections = {k: getattr(cfg, k) for k in JOB_SECTIONS}
     job = DistillJob(**sections, output_dir=out / "distill", name=cfg.name, resolved_config=resolved_config)
     result = distill(job)
+    head_result = None
+    if cfg.draft.kind != "head" and cfg.draft.head.beside:  # a draft head beside the draft
+        head_draft = dataclasses.replace(cfg.draft, kind="head")
+        head_job = dataclasses.replace(
+            job, draft=head_draft, output_dir=out / "distill_head", name=cfg.name + "_head"
+        )
+        head_result = distill(head_job)
+        print("\nHeld-out acceptance of the draft head (depth 1: its own states below it are not simulated):")
+        print(format_metrics(head_result.metrics))
     clock.stop(f"{cfg.name}/distill")
     m = result.metrics
     if m.get("train_tokens_per_s"):
@@ -139,7 +148,10 @@ def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: d
     bench = dataclasses.replace(
         cfg.bench,
         draft_label="initial",
-        drafts={"distilled": str(result.draft_dir)},
+        drafts={
+            "distilled": str(result.draft_dir),
+            **({"head": str(head_result.draft_dir)} if head_result else {}),
+        },
         draft_rules={"initial": INITIAL_DRAFT_RULES, **cfg.bench.draft_rules},
     )
     bench_dir = out / "bench"
@@ -163,6 +175,16 @@ def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: d
         export_line = f"exported ({exported.checks['backend']}): {exported.out_dir / 'SERVE.md'}"
     except ExportError as err:  # e.g. the micro world's head_dim 16, which no vLLM CPU kernel takes
         exported, export_line = None, f"not exported: {err}"
+    if head_result is not None:  # the head in vLLM's eagle3 layout (resispec/models/head_export.py)
+        try:
+            head_export = export_draft(
+                str(head_result.draft_dir), cfg.target.path, out / "export_head", world=cfg.world
+            )
+            export_line += (
+                f"\nhead exported ({head_export.checks['backend']}): {head_export.out_dir / 'SERVE.md'}"
+            )
+        except ExportError as err:
+            export_line += f"\nhead not exported: {err}"
     clock.stop(f"{cfg.name}/export")
     timings = {key.split("/")[-1]: seconds for key, seconds in clock.timings.items()}
 
@@ -173,6 +195,7 @@ def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: d
     return {
         "distill_dir": str(result.output_dir),
         "draft_dir": str(result.draft_dir),
+        "head_dir": str(head_result.draft_dir) if head_result is not None else None,
         "bench_dir": str(bench_dir),
         "export_dir": str(exported.out_dir) if exported is not None else None,
         "timings": timings,

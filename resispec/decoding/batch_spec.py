@@ -24,6 +24,7 @@ import torch
 
 from resispec.decoding.batch_rows import BatchRow, RowBatch, additive_mask, left_padded
 from resispec.decoding.fast_forward import fast_forward
+from resispec.decoding.head_draft import join_pending, pending_after, root_block, target_forward
 from resispec.decoding.kv_cache import (
     crop_cache,
     forward_logits,
@@ -45,6 +46,7 @@ from resispec.decoding.walk import (
     walk_one_draw_chains,
     walk_sampled,
 )
+from resispec.models.head import is_head
 from resispec.sampling import SeedStream, probs_by_settings, sample_each
 from resispec.sampling import probs as process_logits
 from resispec.verify.base import top_set
@@ -142,6 +144,8 @@ class _DraftedStep:
     fed: list[int]  # deepest tree level each row's draft has processed
     node_col: list[dict[int, int]]  # tree node -> draft cache column, this step
     q_settings: list[dict]  # the settings each row's q is computed with (greedy rows: the plain softmax)
+    states: list = None  # a draft head: each row's pre-norm outputs [n, H] at its last level fed
+    level_start: list = None  # ... and that level's first node
 
 
 class BatchedSpeculativeDecoder(RowBatch):
@@ -166,19 +170,27 @@ class BatchedSpeculativeDecoder(RowBatch):
         forward: Callable | None = None,
         draft_forward: Callable | None = None,
     ) -> None:
+        self.head = draft if is_head(draft) else None  # a draft head (resispec/decoding/head_draft.py)
         super().__init__(
-            target, tokenizer, vocab_size or resolve_vocab_size(target, draft, tokenizer), forward
+            target,
+            tokenizer,
+            vocab_size or resolve_vocab_size(target, target if self.head else draft, tokenizer),
+            forward,
         )
         self.draft = draft.eval()
         self.rule = resolve_rule(rule)
         self.shape = parse_tree(list(tree))
         self.max_nodes = max_tree_nodes(self.shape)
         self.greedy_topk = greedy_topk
-        self._d_fwd = draft_forward if draft_forward is not None else fast_forward(draft)
+        self._d_fwd = (
+            draft_forward if draft_forward is not None else draft if self.head else fast_forward(draft)
+        )
         self._d_dtype = draft.dtype  # read once: .dtype walks the parameters
         self.tcache, self.dcache = _HoleyCache(target), _HoleyCache(draft)
         # prefill the draft when a row joins (_join); off for a batch that never drafts
-        self.prefill_draft = True
+        self.prefill_draft = (
+            self.head is None
+        )  # a head reads the target's states: no prompt prefill of its own
         self.draft_prefix: PrefixCache | None = None  # stored prompt K/V of the draft (enable_prefix_cache)
 
     @classmethod
@@ -223,7 +235,12 @@ class BatchedSpeculativeDecoder(RowBatch):
         tcaches, dcaches = caches["target"], caches.get("draft")
         for b, row in enumerate(rows):
             self.tcache.add_row(tcaches[b], row.length)
-            if dcaches is None:
+            if self.head is not None:  # the head's pairs of the prompt (head_draft.join_pending)
+                self.dcache.add_row(new_cache(self.draft), 0)
+                row.pending = join_pending(
+                    self._target_fwd, self.target, self.head.layers, row.prompt, self.device
+                )
+            elif dcaches is None:
                 self.dcache.add_row(new_cache(self.draft), 0)
                 row.pending = list(row.prompt)  # committed tokens not yet in the draft cache
             else:
@@ -282,6 +299,8 @@ class BatchedSpeculativeDecoder(RowBatch):
         lims = [
             min(len(sh), r.max_new_tokens - len(r.generated) - 1) for r, sh in zip(rows, shapes, strict=True)
         ]
+        if self.head is not None:  # a head row with no target feature yet (a one-token prompt) cannot draft
+            lims = [lim if len(r.pending) or r.length > 0 else 0 for r, lim in zip(rows, lims, strict=True)]
         if not any(
             lims
         ):  # the draft does not run this step (when it does, it takes every row's pending tokens)
@@ -299,7 +318,7 @@ class BatchedSpeculativeDecoder(RowBatch):
         per depth every row's children (_draw_level) and one forward over the levels that have children to draft
         (_feed_level)."""
         step = self._new_step(rows, shapes, lims)
-        qs = self._draft_root(rows, step)
+        qs = self._draft_root(rows, step) if self.head is None else self._head_root(rows, step)
         growing = [lim > 0 for lim in lims]
         for depth in range(1, max(lims) + 1):
             feed = self._draw_level(rows, step, shapes, lims, qs, growing, depth)
@@ -349,6 +368,21 @@ class BatchedSpeculativeDecoder(RowBatch):
         )
         self.dcache.append(new_valid)
         q_all = probs_by_settings(logits[:, -1, : self.vocab_size], step.q_settings)  # [B, V]
+        return [q_all[b : b + 1] for b in range(len(rows))]
+
+    def _head_root(self, rows: list[BatchRow], step: _DraftedStep) -> list[torch.Tensor]:
+        """_draft_root for a draft head: its forward over every row's pending (target feature, token) pairs; each
+        row's root state kept for its first level."""
+        hidden, ids, pos, new_valid, block = root_block(
+            self.head, [r.pending for r in rows], [r.length for r in rows], self.device
+        )
+        allowed = self.dcache.allowed(ids.shape[1])
+        allowed[:, :, self.dcache.num_cols :] = block
+        h = self.head.step(hidden, ids, pos, self.dcache.cache, additive_mask(allowed, self._d_dtype))[:, -1]
+        self.dcache.append(new_valid)
+        step.states, step.level_start = [h[b : b + 1] for b in range(len(rows))], [0] * len(rows)
+        logits = self.head.target_logits(h)[:, : self.vocab_size]
+        q_all = probs_by_settings(logits, step.q_settings)  # [B, V]
         return [q_all[b : b + 1] for b in range(len(rows))]
 
     def _draw_level(
@@ -415,9 +449,19 @@ class BatchedSpeculativeDecoder(RowBatch):
                 cols = [step.node_col[b][j] for j in range(1, level.start)]
                 allowed[b, :n, cols] |= tree.mask(level, range(1, level.start)).to(dev)
         ids, pos = torch.tensor(ids_l, device=dev), torch.tensor(pos_l, device=dev)
-        logits = forward_logits(
-            self._d_fwd, ids, self.dcache.cache, pos, additive_mask(allowed, self._d_dtype)
-        )
+        if self.head is not None:  # each node reads its parent's state, one position before the draft's
+            hidden = torch.zeros(nb, width, self.head.config.hidden_size, dtype=self._d_dtype, device=dev)
+            for b, level in feed:
+                parents = [step.trees[b].parents[n] - step.level_start[b] for n in level]
+                hidden[b, : len(level)] = step.states[b][parents]
+            h = self.head.step(hidden, ids, pos - 1, self.dcache.cache, additive_mask(allowed, self._d_dtype))
+            for b, level in feed:
+                step.states[b], step.level_start[b] = h[b, : len(level)], level.start
+            logits = self.head.target_logits(h)
+        else:
+            logits = forward_logits(
+                self._d_fwd, ids, self.dcache.cache, pos, additive_mask(allowed, self._d_dtype)
+            )
         self.dcache.append(torch.zeros(nb, width, dtype=torch.bool, device=dev))
         fed_rows = [b for b, _ in feed]
         q_fed = probs_by_settings(
@@ -449,6 +493,16 @@ class BatchedSpeculativeDecoder(RowBatch):
             n = tree.num_nodes
             if n > 1:
                 allowed[b, :n, t_old : t_old + n] = tree.mask(range(n), range(n)).to(dev)
+        if self.head is not None:  # the head's features at every node come out of the same forward
+            logits, self._feats = target_forward(
+                self._target_fwd,
+                self.head.layers,
+                ids,
+                self.tcache.cache,
+                pos,
+                additive_mask(allowed, self._t_dtype),
+            )
+            return logits
         return forward_logits(
             self._target_fwd, ids, self.tcache.cache, pos, additive_mask(allowed, self._t_dtype)
         )
@@ -504,7 +558,7 @@ class BatchedSpeculativeDecoder(RowBatch):
                     step.rules[b], tree, p_at, step.proposals[b], r.generator, r.length + 1
                 )
             t_valid[b, [0] + accepted] = True
-            for n in accepted:
+            for n in accepted if self.head is None else ():  # a head's tree entries never persist
                 if tree.depths[n] <= fed[b]:
                     self.dcache.valid[b, node_col[b][n]] = True
             r.length += len(accepted) + 1
@@ -512,7 +566,11 @@ class BatchedSpeculativeDecoder(RowBatch):
             s = r.stats
             s.target_forwards += 1
             s.target_seconds += t2 - t1
-            r.pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed[b]] + [run[-1]]
+            if self.head is not None:  # the features of the root and the accepted nodes, with the emitted run
+                feats = self._feats[b, [0] + accepted]
+                r.pending = pending_after(r.pending, feats, run[: len(accepted) + 1], True)
+            else:
+                r.pending = [tree.tokens[n] for n in accepted if tree.depths[n] > fed[b]] + [run[-1]]
             if flags[b]:
                 s.record_step(tree.num_nodes, len(accepted), tree.depth)
                 s.draft_forwards += 1 + fed[b]
@@ -540,11 +598,22 @@ class BatchedSpeculativeDecoder(RowBatch):
         new = valid.new_ones(len(rows), 1)
         allowed = torch.cat([valid, new], 1)[:, None]  # [B, 1, T + 1]
         mask = additive_mask(allowed, self._t_dtype)
-        logits = forward_logits(self._target_fwd, ids, self.tcache.cache, pos, mask)[:, -1, : self.vocab_size]
+        if self.head is not None:
+            logits, feats = target_forward(
+                self._target_fwd, self.head.layers, ids, self.tcache.cache, pos, mask
+            )
+            logits = logits[:, -1, : self.vocab_size]
+        else:
+            logits = forward_logits(self._target_fwd, ids, self.tcache.cache, pos, mask)[
+                :, -1, : self.vocab_size
+            ]
         self.tcache.append(new)
         out = self._emit_ar(rows, logits, t0)
-        for r, flag in zip(rows, flags, strict=True):
-            r.pending.append(r.root)
+        for b, (r, flag) in enumerate(zip(rows, flags, strict=True)):
+            if self.head is not None:  # the pair (feature at the old root, the new token)
+                r.pending = pending_after(r.pending, feats[b, :1], [r.root], False)
+            else:
+                r.pending.append(r.root)
             # asked to draft, but the emit budget left no room: an empty tree, as the batch-1 decoder records
             if flag:
                 r.stats.record_step(1, 0, 0)

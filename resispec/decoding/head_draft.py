@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from resispec.decoding.kv_cache import cache_length, compact_to_path, crop_cache, tree_attention_mask
+from resispec.decoding.kv_cache import (
+    cache_length,
+    compact_to_path,
+    crop_cache,
+    new_cache,
+    tree_attention_mask,
+)
 from resispec.decoding.tree import DraftTree
 
 
@@ -109,3 +115,47 @@ def advance_head(
         return HeadPending(new, list(run))
     old = pending.feats if len(pending) else new[:0]
     return HeadPending(torch.cat([old, new]), pending.tokens + list(run))
+
+
+# ---------------------------------------------------------------------------- batched (resispec/decoding/batch_spec.py)
+# The batched step runs a head as the batch-1 step does, per row: the head's batch cache holds each row's committed
+# entries (valid columns) and this step's tree entries (appended, never made valid: dropped by the holey cache's
+# compaction); each row's pending pairs are a HeadPending in its `pending`; the root forward takes every row's pairs
+# LEFT-padded (rows' last pair in the last column), the levels their parents' states.
+
+
+def join_pending(target_fwd, target, layers, prompt: list[int], device) -> HeadPending:
+    """A joining row's pairs: its prompt's target features from the batch-1 prefill forward (the computation the
+    batch-1 decoder makes, so the row's head input does not depend on its neighbours)."""
+    if len(prompt) < 2:
+        return HeadPending(torch.zeros(0, 0, device=device), [])
+    ids = torch.tensor([prompt[:-1]], device=device)
+    feats = target_forward(target_fwd, layers, ids, new_cache(target), logits_to_keep=1)[1]
+    return HeadPending(feats[0], list(prompt[1:]))
+
+
+def pending_after(
+    pending: HeadPending, feats: torch.Tensor, tokens: list[int], consumed: bool
+) -> HeadPending:
+    """The pairs a row owes the head after a step: the new (feature, token) pairs, after the old ones unless the
+    head read those this step."""
+    if consumed or len(pending) == 0:
+        return HeadPending(feats, list(tokens))
+    return HeadPending(torch.cat([pending.feats, feats]), pending.tokens + list(tokens))
+
+
+def root_block(head, pendings: list[HeadPending], lengths: list[int], device):
+    """The root forward's inputs for every row, LEFT-padded: (fused hidden [B, W, H], ids [B, W], positions [B, W],
+    valid [B, W], allowed [B, W, W]); `lengths`: each row's root position (its pairs end at position length - 1)."""
+    from resispec.decoding.batch_rows import left_padded
+
+    seqs = [p.tokens for p in pendings]
+    ids, pos, valid, allowed = left_padded(
+        seqs, [n - len(s) for n, s in zip(lengths, seqs, strict=True)], device
+    )
+    width = ids.shape[1]
+    feats = torch.zeros(len(pendings), width, head.fc.in_features, dtype=head.dtype, device=device)
+    for b, p in enumerate(pendings):
+        if len(p):
+            feats[b, width - len(p) :] = p.feats.to(head.dtype)
+    return head.fuse(feats), ids, pos, valid, allowed

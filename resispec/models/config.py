@@ -31,6 +31,9 @@ class HeadConfig:
         3  # training-time test: unrolled steps, the head feeding on its own states after the first
     )
     step_decay: float = 0.8  # loss weight of unrolled step j: step_decay ** j (EAGLE-3's 0.8)
+    # the pipeline (train/pipeline.py) also trains a head beside the standalone draft (same data, loss, optim and
+    # train sections), benches both and exports both: +recipe=tiny_head
+    beside: bool = False
 
 
 @dataclass

@@ -150,7 +150,14 @@ def check_same_tokenizer(tok_a, tok_b, names: tuple[str, str] = ("target", "draf
 
 def load_pair(target: ModelConfig, draft: ModelConfig, world: WorldConfig | None = None):
     """(target model, draft model, tokenizer): the tokenizers are compared before any weights load."""
+    from resispec.models.head import load_drafter
+
     tok_t = load_tokenizer(target, world)
     tok_d = load_tokenizer(draft, world)
     check_same_tokenizer(tok_t, tok_d)
-    return load_model(target, world), load_model(draft, world), tok_t
+    target_model = load_model(target, world)
+    return (
+        target_model,
+        load_drafter(draft, target_model, world),
+        tok_t,
+    )  # a draft head (draft.kind=head) or an LM

@@ -27,7 +27,8 @@ from resispec.decoding.config import DecodeConfig
 from resispec.decoding.planner import CostModel, Planner
 from resispec.models import load_pair
 from resispec.models.config import ModelConfig
-from resispec.models.loading import check_same_tokenizer, load_model, load_tokenizer, resolve_device
+from resispec.models.head import is_head, load_drafter
+from resispec.models.loading import check_same_tokenizer, load_tokenizer, resolve_device
 from resispec.serving.config import BenchConfig
 from resispec.verify import build_rule
 
@@ -212,7 +213,8 @@ def _methods(
                     )
                     row = BenchRow("spec", temperature, draft=label, rule=rule, tree="ref" + _tree_str(tree))
                     out.append(_decoder_method(row, ref.generate, device, sampling))
-        for rule in bench.plan_rules if plan is not None else ():
+        # the planner's cost model times a causal LM's forwards: a draft head is not planned yet
+        for rule in bench.plan_rules if plan is not None and not is_head(draft) else ():
             chosen = plan.choose(draft, rule, sampling, decode.auto_policy)
             log.info("T=%g %s %s: %s (alpha %s)", temperature, label, rule, chosen.describe(), chosen.alpha)
             print(f"planner T={temperature:g} {label} {rule}: {chosen.describe()}")
@@ -228,7 +230,7 @@ def _methods(
             row = BenchRow("spec", temperature, draft=label, rule=rule, tree="auto" + _tree_str(chosen.tree))
             row.stats["plan"] = chosen.as_dict()
             out.append(_decoder_method(row, dec.generate, device, sampling))
-        if bench.hf_assisted:
+        if bench.hf_assisted and not is_head(draft):  # HF assisted generation takes a causal LM
             for k in hf_chain_lengths(bench):
                 row = BenchRow("hf_assisted", temperature, draft=label, rule="hf", tree=f"chain {k}")
                 out.append(_hf_method(row, target, draft, device, sampling, k, tokenizer.pad_token_id))
@@ -308,7 +310,8 @@ def bench_pair(
                 if r.method == "spec":
                     r.per_depth_acceptance = total_stats.per_depth_acceptance
                     r.c = total_stats.c
-                    cost = plan.cost_for(drafts[r.draft]) if plan is not None else None
+                    head = is_head(drafts[r.draft])  # not in the planner's cost model (a causal LM's)
+                    cost = plan.cost_for(drafts[r.draft]) if plan is not None and not head else None
                     r.stats["breakdown"] = step_breakdown(total_stats, 1e3 / ar_tps, cost, r.tree)
             rows.append(r)
         if bench.vllm:
@@ -320,7 +323,7 @@ def bench_pair(
     if plan is not None and rows:  # the measured cost model travels with the AR row into report.json
         rows[0].stats["cost_model"] = {
             label: {"target_ms": c.target_ms, "draft_ms": c.draft_ms}
-            for label, c in plan.costs(drafts).items()
+            for label, c in plan.costs({k: d for k, d in drafts.items() if not is_head(d)}).items()
         }
         rows[0].stats["planner_init_s"] = plan.init_s
     return rows
@@ -696,7 +699,7 @@ def run_bench(
             continue
         extra_cfg = ModelConfig(path=path, dtype=draft_cfg.dtype, device=draft_cfg.device)
         check_same_tokenizer(tokenizer, load_tokenizer(extra_cfg, world), ("target", f"draft {label!r}"))
-        drafts[label] = load_model(extra_cfg, world)
+        drafts[label] = load_drafter(extra_cfg, target, world)  # a draft head or a causal LM
     if prompts is None:
         if data is None:
             raise ValueError("run_bench needs prompts or a data config")
