@@ -171,3 +171,20 @@ def test_model_rows_fused_and_logits_paths_match_the_full_forward(lora):
         for a, b in zip(grads, want_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert type(model.get_output_embeddings()) is torch.nn.Linear  # the head is back in place
+
+
+def test_trim_padding_cuts_the_batch_to_its_longest_row():
+    from resispec.data.packing import trim_padding
+
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]])
+    batch = {
+        "input_ids": torch.arange(12).view(2, 6),
+        "attention_mask": mask,
+        "topk_ids": torch.zeros(2, 6, 3),
+    }
+    out = trim_padding(batch)
+    assert out["input_ids"].shape == (2, 4) and out["topk_ids"].shape == (2, 4, 3)
+    assert torch.equal(out["input_ids"], batch["input_ids"][:, :4])
+    full = {k: v[:, :4] for k, v in batch.items()}
+    full["attention_mask"] = torch.ones(2, 4, dtype=torch.long)
+    assert trim_padding(full) is full  # nothing to cut
