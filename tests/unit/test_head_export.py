@@ -70,3 +70,34 @@ def test_export_refuses_a_head_vllm_cannot_load(target_dir, tmp_path):
     with pytest.raises(ExportError, match="trained for a target"):
         export_head(tmp_path / "other", str(root / "target"), tmp_path / "o", backend="vllm-cpu")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.vllm
+def test_vllm_eagle3_loads_the_export_and_keeps_greedy_tokens(target_dir, tmp_path):
+    """vLLM (the isolated venv) serves the target with the exported head as its `eagle3` drafter: greedy tokens
+    equal ours. Where vllm-cpu cannot run eagle3, the failure's last lines say why (the format test above stays)."""
+    from resispec.decoding import SpeculativeDecoder
+    from resispec.serving.vllm_peer import offline_generate, vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("no vLLM venv (scripts/setup_vllm.sh)")
+    root, target = target_dir
+    DraftHead.from_target(target).save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", str(root / "target"), tmp_path / "eagle3", backend="vllm-cpu", k=2)
+    prompts = [[1, 2, 3, 4], [5, 9, 7]]
+    dec = SpeculativeDecoder(target, target, rule="chain", tree=[1])
+    ours = [
+        dec.generate_autoregressive(torch.tensor([p]), max_new_tokens=12, temperature=0.0, eos_token_id=[])
+        .sequences[0, len(p) :]
+        .tolist()
+        for p in prompts
+    ]
+    spec = {"method": "eagle3", "model": str(out.out_dir), "num_speculative_tokens": 2}
+    res = offline_generate(
+        str(root / "target"),
+        prompts,
+        12,
+        0.0,
+        engine_args={"speculative_config": spec, "enforce_eager": True},
+    )
+    assert res["responses"] == ours
