@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from resispec.decoding.kv_cache import append_kv
+from resispec.models.head import rms_norm as _rms
+from resispec.models.head import rotate as _rotate
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # q/k/v and gate/up are fused (copied side by side) on CPU while the copies stay under this size
@@ -149,18 +151,6 @@ def _concat(
 def _version(t: torch.Tensor) -> int | None:
     """In-place edits bump a tensor's version counter; an inference tensor (made under inference_mode) has none."""
     return None if t.is_inference() else t._version
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Llama RMSNorm: normalise in float32, cast back, scale (one fused op when the model is float32)."""
-    if x.dtype == torch.float32:
-        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class FastCausalLM:

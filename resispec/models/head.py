@@ -52,13 +52,16 @@ def is_head_dir(path: str | Path) -> bool:
     return cfg.is_file() and bool(json.loads(cfg.read_text()).get("resispec_head"))
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama RMSNorm: normalise in float32, cast back, scale (one fused op when the model is float32); the
+    decoder's fast forward uses it too."""
     if x.dtype == torch.float32:
         return torch.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE: x * cos + rotate_half(x) * sin."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
@@ -70,7 +73,7 @@ class _Norm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class _Attention(nn.Module):
@@ -297,7 +300,7 @@ class DraftHead(nn.Module):
         v = attn.v_proj(x).view(bsz, num_q, self.num_kv, d).transpose(1, 2)
         cos, sin = self.rotary(x, position_ids)
         cos, sin = cos[:, None], sin[:, None]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def _finish(self, hidden, q, keys, values, mask, causal=False):
         a = F.scaled_dot_product_attention(
