@@ -33,10 +33,30 @@ def test_compose_primary_with_recipe(primary, recipe):
     assert cfg.name == (recipe or "tiny")
 
 
+@pytest.fixture(scope="module")
+def group_users() -> dict[str, list[str]]:
+    """group -> the primary configs that have it (one composition per primary)."""
+    composed = {name: _compose(name) for name in PRIMARY}
+    return {g: [name for name, cfg in composed.items() if g in cfg] for g in GROUPS}
+
+
 @pytest.mark.parametrize("group", GROUPS)
-def test_every_group_option_composes(group):
+def test_every_group_option_composes(group, group_users):
+    """Every option of every group composes (in a primary config that has the group, distill where it does),
+    converts to the typed config, and the values its YAML sets are the ones the composed config holds (an option
+    that Hydra silently dropped, or that a later default overrode, fails here)."""
+    from omegaconf import OmegaConf
+
+    users = group_users[group]
+    assert users, f"no primary config uses the group {group!r}"
+    name = "distill" if "distill" in users else users[0]
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-        to_typed(_compose("distill", [f"{group}={option}"]))
+        own = OmegaConf.load(CONF / group / f"{option}.yaml")
+        own = {k: v for k, v in own.items() if k != "defaults" and not OmegaConf.is_config(v)}
+        cfg = _compose(name, [f"{group}={option}"])
+        to_typed(cfg)
+        for key, value in own.items():
+            assert cfg[group][key] == value, (name, group, option, key, cfg[group][key], value)
 
 
 def test_no_recipe_is_the_tiny_world():
