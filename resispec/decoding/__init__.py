@@ -1,6 +1,6 @@
-"""The speculative tree decoder (DESIGN.md "Decoder"): SpeculativeDecoder decodes one sequence (a [B > 1] input raises
-NotImplementedError); many rows in one forward per step are resispec.decoding.batch's BatchedSpeculativeDecoder and
-BatchedDecoder.
+"""The speculative tree decoder (docs/design.md "Decoder"): SpeculativeDecoder decodes one sequence (a [B > 1] input
+raises NotImplementedError); many rows in one forward per step are resispec.decoding.batch's
+BatchedSpeculativeDecoder and BatchedDecoder.
 
     from resispec.decoding import SpeculativeDecoder
     dec = SpeculativeDecoder(target, draft, rule="resispec", tree=[4, 2, 1, 1], tokenizer=tok)

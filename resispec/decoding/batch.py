@@ -1,4 +1,4 @@
-"""Batched decoding, the public face: many rows, ONE target forward per step (DESIGN.md "Batched decoding and
+"""Batched decoding, the public face: many rows, ONE target forward per step (docs/design.md "Batched decoding and
 scheduling").
 
   BatchedDecoder             autoregressive (resispec/decoding/batch_ar.py)

@@ -1,6 +1,6 @@
-"""Rows of a batch and what the batched decoders share (DESIGN.md "Batched decoding and scheduling"): `BatchRow`, the
-chunked prefill's `PartialPrefill`, the batched prefill, and `RowBatch`, the base of BatchedDecoder (batch_ar.py) and
-BatchedSpeculativeDecoder (batch_spec.py). Rows have different prompt lengths, their own sampling settings
+"""Rows of a batch and what the batched decoders share (docs/design.md "Batched decoding and scheduling"): `BatchRow`,
+the chunked prefill's `PartialPrefill`, the batched prefill, and `RowBatch`, the base of BatchedDecoder (batch_ar.py)
+and BatchedSpeculativeDecoder (batch_spec.py). Rows have different prompt lengths, their own sampling settings
 (temperature, top-p, top-k), stop conditions, max tokens and torch.Generator. They join and leave at step boundaries:
 
   add(prompt, ...)  prefill the new row alone (one batch-1 forward over prompt[:-1], as the batch-1 decoder does),

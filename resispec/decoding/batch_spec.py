@@ -1,4 +1,4 @@
-"""Batched exact speculative decoding (DESIGN.md "Batched decoding and scheduling"): per-row draft trees, one draft
+"""Batched exact speculative decoding (docs/design.md "Batched decoding and scheduling"): per-row draft trees, one draft
 forward per depth and ONE target forward per step for all rows, per-row acceptance with the rule, per-row
 bookkeeping. The rows, their join and their leaving are RowBatch's (resispec/decoding/batch_rows.py); the walks are
 resispec/decoding/walk.py's, the ones the batch-1 step runs.

@@ -13,7 +13,7 @@ calls is the cost):
 - run the sampling transform or the rule at temperature 0: greedy drafting takes the top-b draft LOGITS (softmax
   is monotone) and the accept walk is one argmax over all nodes plus a walk over Python dicts (one host sync).
 Exactness: each node on the path is verified with fresh randomness exactly as the sequential definition of the
-walk (DESIGN.md "Accept phase"); nodes off the path are never verified, which is what verifying whole levels and
+walk (docs/design.md "Accept phase"); nodes off the path are never verified, which is what verifying whole levels and
 discarding the rows off the path amounts to (the reference step, tests/oracle_decoder.py). Greedy output is
 token-identical to the reference step and to target greedy decoding (tested).
 """

@@ -42,7 +42,7 @@ class ServerConfig:
     num_threads: int | None = None
     # while fewer requests than this run, decoding uses one thread fewer and leaves that core to the HTTP frontend
     # and the clients (0 = never). On 2 cores, out of process, T = 1: at 1-4 clients one thread gave 1.05-1.34x the
-    # tokens/s of two (adaptive) and 1.03-1.20x (AR); at 8 they tie; at 16 two gave 1.07-1.15x (recipes/vllm)
+    # tokens/s of two (adaptive) and 1.03-1.20x (AR); at 8 they tie; at 16 two gave 1.07-1.15x (docs/journal/vllm.md)
     spare_core_below: int = 5
     max_tokens_default: int = 128  # when a request gives no max_tokens (capped by the context left)
     max_model_len: int | None = None  # context length; null = the smaller max_position_embeddings of the pair
@@ -90,7 +90,7 @@ class BenchConfig:
     # load test: 0 = every request asks max_new_tokens; r > 0 = request i asks a length drawn uniformly from
     # [max_new_tokens (1 - r), max_new_tokens (1 + r)], the same on every server (vLLM's --random-range-ratio).
     # (equal lengths let batched AR rows run in lockstep waves; four runs did not show that it matters beyond the
-    # run-to-run noise: recipes/vllm/README.md, "Unequal request lengths")
+    # run-to-run noise: docs/journal/vllm.md, "Unequal request lengths")
     output_len_range_ratio: float = 0.0
     # load sweep and in-process comparison (python -m resispec.serving.loadtest): rounds of the whole sweep, every
     # server or mode in turn at each level, merged per (server, level); on a machine whose speed drifts within minutes

@@ -1,4 +1,4 @@
-"""Exact multi-candidate verification rules and their closed-form acceptance (DESIGN.md "Verification rules").
+"""Exact multi-candidate verification rules and their closed-form acceptance (docs/design.md "Verification rules").
 
     from resispec.verify import VERIFIERS, optimal_acceptance
     rule = VERIFIERS["resispec"]

@@ -1,4 +1,4 @@
-"""Upper bounds on per-node acceptance over ALL exact rules for a drafting scheme (DESIGN.md).
+"""Upper bounds on per-node acceptance over ALL exact rules for a drafting scheme (docs/design.md).
 
 alpha*_iid = min over prefixes H of the tokens sorted by increasing p/q of [p(H) + 1 - q(H)^n]  (O(V log V));
 alpha*_wor = min over all sets H of [p(H) + 1 - P(all n distinct draws lie in H)]            (2^V: small V only);

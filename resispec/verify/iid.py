@@ -1,6 +1,7 @@
-"""The i.i.d. sequential rules: chain, rrs (SpecInfer), kseq (SpecTr K-SEQ) and resispec (DESIGN.md).
+"""The i.i.d. sequential rules: chain, rrs (SpecInfer), kseq (SpecTr K-SEQ) and resispec (docs/design.md,
+which the function docstrings below cite as DESIGN.md).
 
-All four are instances of ONE sequential scheme (DESIGN.md "The ResiSpec rule for i.i.d. draws"). Write
+All four are instances of ONE sequential scheme (docs/design.md "The ResiSpec rule for i.i.d. draws"). Write
 everything per unit of q: with w = p/q, draw i accepts x with probability c_i(w(x)) / mu_i, where
 - m_i = p - q * L_i(w) is the remaining target mass, L_i = sum_{j<i} c_j, and mu_i = sum m_i,
 - the plan keeps 0 <= c_i <= mu_i and L_i + c_i <= w (so c_i q <= m_i),
@@ -14,8 +15,8 @@ Plans (c_i for the draws before the last):
   Then m_{i+1} = (m_i - mu_i q)+, the SpecInfer residual.
 - shaped (resispec): the same windows stacked DOWN from T ("late filling"): S_1 = T,
   S_{i+1} = max(S_i - mu_i, 0), c_i = |[S_{i+1}, S_i] cap [0, min(w, T)]|. The windows are disjoint and have
-  width <= mu_i, so the two cap conditions hold for ANY T (the run-time guard of DESIGN.md, by construction).
-  At T = T* they are DESIGN.md's c_i, S_{n+1} = 0, and acceptance = sum min(p, T* q).
+  width <= mu_i, so the two cap conditions hold for ANY T (the run-time guard of docs/design.md, by construction).
+  At T = T* they are docs/design.md's c_i, S_{n+1} = 0, and acceptance = sum min(p, T* q).
 - scaled (kseq): c_i = nu_i min(1, w / rho) with nu_i = min(mu_i, rho - sum_{j<i} nu_j)+ (nu_i = mu_i at rho*),
   i.e. accept with probability min(1, p / (rho q)) as in SpecTr; acceptance = sum min(p, rho* q).
 Only the caps at the DRAWN tokens ([B, n] gathers) and mu_i ([B], from the ratio profile or one O(V) sum) are

@@ -1,4 +1,4 @@
-"""ResiSpec shaping for DISTINCT draws (`resispec_wor`): the "Open problem" of DESIGN.md.
+"""ResiSpec shaping for DISTINCT draws (`resispec_wor`): the "Open problem" of docs/design.md.
 
 Draws: n distinct tokens, sampled sequentially without replacement from q (base.draw_distinct: the law of
 Gumbel-top-n).
