@@ -19,11 +19,11 @@ import torch
 
 def main() -> None:
     from resispec.data.config import DataConfig
+    from resispec.data.prompts import load_heldout_prompts
     from resispec.decoding import SpeculativeDecoder
     from resispec.decoding.batch import BatchedSpeculativeDecoder
     from resispec.models import load_pair
     from resispec.models.config import ModelConfig
-    from resispec.serving.bench import load_bench_prompts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="world:target")
@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, draft, tok = load_pair(ModelConfig(path=args.target), ModelConfig(path=args.draft))
-    prompts = load_bench_prompts(DataConfig(), tok, None, 8)
+    prompts = load_heldout_prompts(DataConfig(), tok, None, 8)
     dec = SpeculativeDecoder(target, draft, rule="resispec", tree=args.tree, tokenizer=tok)
     for mode in args.mode:
         batch = BatchedSpeculativeDecoder.from_decoder(dec)

@@ -15,8 +15,8 @@ import json
 
 def main() -> None:
     from resispec.data.config import DataConfig
+    from resispec.data.prompts import load_heldout_prompts
     from resispec.models import load_tokenizer, resolve_model_path
-    from resispec.serving.bench import load_bench_prompts
     from resispec.serving.config import BenchConfig
     from resispec.serving.vllm_peer import load_sweep
 
@@ -51,7 +51,7 @@ def main() -> None:
         vllm_args=["--enforce-eager"] if args.eager else [],
         vllm_fix_cpu_sampling=args.fix_cpu_sampling,
     )
-    ids = load_bench_prompts(DataConfig(), tok, None, 8)
+    ids = load_heldout_prompts(DataConfig(), tok, None, 8)
     prompts = [tok.decode(p, skip_special_tokens=True) for p in ids]
     for draft in (None, args.draft):
         for row in load_sweep(
