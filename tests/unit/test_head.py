@@ -295,3 +295,41 @@ def test_batched_head_sampled_rows_equal_alone(rule, tree, target, head):
     for i, (row, s) in enumerate(zip(rows, settings, strict=True)):
         gen = torch.Generator().manual_seed(i)
         assert row.generated == _alone(dec, BATCH_PROMPTS[i + 1], 14, generator=gen, **s)[0], (rule, tree, s)
+
+
+def test_batched_head_joint_law_inside_a_mixed_batch(target, head, law):
+    """The joint law of 3 tokens after HEAD_PROMPT for rows decoded with the head in batches of 10 observed rows plus
+    a greedy and a cooler neighbour (test_batch_decoding's mixed-batch law test, the head drafting)."""
+    from resispec.decoding.batch import BatchedSpeculativeDecoder
+
+    joint, wrong = law
+    num = 300
+    crit = exactness.powered_critical_value(joint, wrong, num)
+    bs = BatchedSpeculativeDecoder(target, head, rule="resispec", tree=[2, 2, 1])
+    counts = torch.zeros(VOCAB**3, dtype=torch.long)
+    for start in range(0, num, 10):
+        rows = [
+            bs.add(
+                HEAD_PROMPT[0],
+                max_new_tokens=3,
+                eos_token_id=[],
+                generator=torch.Generator().manual_seed(5000 + i),
+                **exactness.SETTINGS,
+            )
+            for i in range(start, start + 10)
+        ]
+        bs.add([1, 2, 3, 4], max_new_tokens=5, temperature=0.0, eos_token_id=[])
+        bs.add(
+            [5, 6],
+            max_new_tokens=4,
+            temperature=0.5,
+            eos_token_id=[],
+            generator=torch.Generator().manual_seed(start),
+        )
+        while bs.rows:
+            bs.step()
+        for row in rows:
+            a, b, c = row.generated
+            counts[(a * VOCAB + b) * VOCAB + c] += 1
+    stat, df = exactness.pearson(counts.reshape(VOCAB, VOCAB, VOCAB), joint, num)
+    assert stat < crit, f"X^2 = {stat:.1f} >= {crit:.1f} (df {df}) inside a mixed batch with the head"
