@@ -61,10 +61,34 @@ def files_fingerprint(model_dir: str) -> str:
     return h.hexdigest()[:16]
 
 
+def eos_ids(tokenizer, target=None, model_dir: str | None = None) -> list[int]:
+    """Every id that ends a response: the tokenizer's eos first, then the generation config's (Llama 3 stops at
+    <|eot_id|>, <|end_of_text|> and <|eom_id|>, as HF generate and vLLM do)."""
+    from resispec.decoding.stopping import model_eos, normalize_eos
+
+    gen = model_eos(target) if target is not None else None
+    if gen is None and model_dir:
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        except (OSError, ValueError):  # no generation_config.json: the tokenizer's eos alone
+            gen = None
+    first = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return first + sorted(normalize_eos(gen) - set(first))
+
+
+def _cut_at_eos(row: list[int], eos: list[int]) -> list[int] | None:
+    """row cut after its first eos (kept: the draft must learn to stop too), None when it has none."""
+    ends = [row.index(e) for e in eos if e in row]
+    return row[: min(ends) + 1] if ends else None
+
+
 def _generate_batch(
-    target, prompt_lists: list[list[int]], regen: RegenConfig, pad_id: int, eos_id: int | None
+    target, prompt_lists: list[list[int]], regen: RegenConfig, pad_id: int, eos_id: int | list[int] | None
 ):
-    """Left-padded batched sampling with HF generate. -> responses, each cut after its first eos."""
+    """Left-padded batched sampling with HF generate. -> responses, each cut after its first eos (any of eos_id)."""
+    eos = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
     device = next(target.parameters()).device
     width = max(len(p) for p in prompt_lists)
     input_ids = torch.full((len(prompt_lists), width), pad_id, dtype=torch.long)  # [B, P]
@@ -81,14 +105,15 @@ def _generate_batch(
         do_sample=not greedy,
         max_new_tokens=regen.max_new_tokens,
         pad_token_id=pad_id,
-        eos_token_id=eos_id,
+        eos_token_id=eos or None,
         **kwargs,
     )  # [B, P + new]
     responses = []
     for row in out[:, width:].tolist():
-        if eos_id is not None and eos_id in row:
-            row = row[: row.index(eos_id) + 1]  # keep eos: the draft must learn to stop too
-        elif pad_id != eos_id:
+        cut = _cut_at_eos(row, eos)
+        if cut is not None:
+            row = cut
+        elif pad_id not in eos:
             while row and row[-1] == pad_id:
                 row.pop()
         responses.append(row)
@@ -107,7 +132,9 @@ def _model_dir(target) -> str:
     return str(getattr(target.config, "_name_or_path", "") or getattr(target, "name_or_path", ""))
 
 
-def _vllm_responses(model_dir: str, prompt_lists: list[list[int]], regen: RegenConfig, eos_id: int | None):
+def _vllm_responses(
+    model_dir: str, prompt_lists: list[list[int]], regen: RegenConfig, eos_id: int | list[int] | None
+):
     """All responses from vLLM's offline API (continuous batching decides the batches). With CUDA: one engine per
     visible GPU, each on a contiguous share of the prompts (data parallel: vLLM's LLM class refuses
     data_parallel_size in one process), CUDA graphs on; on the CPU one engine in float32."""
@@ -176,6 +203,9 @@ def regenerate(
         "prompt_set_hash": prompt_set_hash(prompts),
         "num_prompts": len(prompts),
     }
+    stops = eos_ids(tokenizer, target, model_dir)
+    if len(stops) > 1:  # several eos ids change the responses; a single one keeps the keys cached sets have
+        meta["eos_ids"] = stops
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache_dir).expanduser() / f"regen-{key}"
     if (folder / "meta.json").exists():
@@ -196,18 +226,14 @@ def regenerate(
     bar = tqdm(total=len(order), desc="regenerate", disable=not (progress and is_main), dynamic_ncols=True)
     if vllm:  # one call: vLLM's continuous batching decides the batches
         if order:
-            responses = _vllm_responses(
-                model_dir, [list(prompt_ids[i]) for i in order], regen, tokenizer.eos_token_id
-            )
+            responses = _vllm_responses(model_dir, [list(prompt_ids[i]) for i in order], regen, stops)
             results.extend(zip(order, responses, strict=True))
         bar.update(len(order))
     elif regen.engine == "hf":
         for b in range(0, len(order), regen.batch_size):
             batch = order[b : b + regen.batch_size]
             torch.manual_seed(regen.seed * 1_000_003 + batch[0])
-            responses = _generate_batch(
-                target, [list(prompt_ids[i]) for i in batch], regen, pad_id, tokenizer.eos_token_id
-            )
+            responses = _generate_batch(target, [list(prompt_ids[i]) for i in batch], regen, pad_id, stops)
             results.extend(zip(batch, responses, strict=True))
             bar.update(len(batch))
     else:

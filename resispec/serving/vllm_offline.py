@@ -36,14 +36,16 @@ def main(request_path: str, result_path: str) -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     eos = req.get("eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)  # one id or several
     responses = []
     for out in outs:
         comp = out.outputs[0]
         ids = list(comp.token_ids)
-        if eos is not None and eos in ids:
-            ids = ids[: ids.index(eos) + 1]
-        elif eos is not None and comp.finish_reason == "stop":
-            ids.append(eos)  # stopped on eos without returning it: keep eos, as the built-in engine does
+        ends = [ids.index(e) for e in eos if e in ids]
+        if ends:
+            ids = ids[: min(ends) + 1]
+        elif eos and comp.finish_reason == "stop":
+            ids.append(eos[0])  # stopped on eos without returning it: keep eos, as the built-in engine does
         responses.append(ids)
     with open(result_path, "w") as f:
         json.dump({"responses": responses, "seconds": seconds, "version": vllm.__version__}, f)

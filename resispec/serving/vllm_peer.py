@@ -537,7 +537,7 @@ def offline_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     dtype: str = "float32",
     python: str | Path | None = None,
     engine_args: dict | None = None,

@@ -340,6 +340,7 @@ class FakeVllm:
             {"model": model_dir, "prompts": len(prompts), "engine_args": engine_args, "env": env}
         )
         eos = args[5] if len(args) > 5 else kwargs.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos  # one id or the list of every eos id
         return {"responses": [[7, 8, eos] for _ in prompts], "seconds": 0.0}
 
 
@@ -432,3 +433,31 @@ def test_vllm_regeneration_is_data_parallel_over_the_gpus(monkeypatch):
     assert sorted(c["env"]["CUDA_VISIBLE_DEVICES"] for c in fake.calls) == ["2", "5", "7"]
     assert sorted(c["prompts"] for c in fake.calls) == [2, 2, 3]
     assert all(c["engine_args"] == {"enforce_eager": False} for c in fake.calls)
+
+
+def test_regeneration_stops_at_every_eos_id_of_the_generation_config():
+    """Llama 3 ends a turn with <|eot_id|> (the tokenizer's eos) but also stops at <|end_of_text|> and <|eom_id|>
+    (generation_config.eos_token_id): a response is cut after the first of any of them, as HF generate stops."""
+    from types import SimpleNamespace
+
+    from resispec.data.config import RegenConfig
+    from resispec.data.regen import _generate_batch, eos_ids
+
+    target = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[11, 12, 13]))
+    tokenizer = SimpleNamespace(eos_token_id=13)
+    assert eos_ids(tokenizer, target) == [13, 11, 12]
+
+    class Fake(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, input_ids, eos_token_id, **kw):
+            assert sorted(eos_token_id) == [11, 12, 13]  # generate stops on every one
+            new = torch.tensor([[5, 11, 6, 0], [5, 6, 12, 0], [5, 6, 7, 8]])
+            return torch.cat([input_ids, new], dim=1)
+
+    out = _generate_batch(
+        Fake(), [[1, 2], [3], [4]], RegenConfig(), pad_id=0, eos_id=eos_ids(tokenizer, target)
+    )
+    assert out == [[5, 11], [5, 6, 12], [5, 6, 7, 8]]
