@@ -1,7 +1,7 @@
 """Distill (or LoRA-tune) the draft toward the target:  python train/distill.py [+recipe=NAME] [key=value ...]
 
 Multi-GPU:  accelerate launch --config_file recipes/accelerate/<config>.yaml train/distill.py +recipe=llama3
-Multi-process on CPU:  torchrun --nproc_per_node 2 train/distill.py +recipe=debug   (see recipes/README.md for
+Multi-process on CPU:  torchrun --nproc_per_node 2 train/distill.py +recipe=debug   (see recipes/accelerate/README.md for
 FSDP on CPU)
 Outputs go to outputs/distill/<name>/<time>/ (draft/, metrics.json, config.yaml); outputs/distill/<name>/latest
 points at the newest finished run.

@@ -1,5 +1,5 @@
 """Export a trained draft head (resispec/models/head.py) for vLLM's `eagle3` method and SGLang's EAGLE3: the
-EAGLE / SpecForge checkpoint layout (shared/EAGLE3_NOTES.md section 4a).
+EAGLE / SpecForge checkpoint layout (docs/eagle3_notes.md section 4a).
 
 Files: config.json (a Llama config: `architectures: ["LlamaForCausalLMEagle3"]`, `num_hidden_layers: 1`,
 `vocab_size` = the target's, `draft_vocab_size`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` at the top
