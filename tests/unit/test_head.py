@@ -227,7 +227,7 @@ def _alone(dec, prompt, new=16, **settings):
     return out.sequences[0, len(prompt) :].tolist(), out.stats
 
 
-@pytest.mark.parametrize("tree", [(1, 1, 1), (3, 2, 1)])
+@pytest.mark.parametrize("tree", [pytest.param((1, 1, 1), marks=pytest.mark.slow), (3, 2, 1)])
 def test_batched_head_greedy_rows_equal_alone(tree, target, head):
     """Greedy rows decoded with the head in a batch (rows joining a running batch, steps with and without
     speculation) give the target's greedy tokens, and accept what the batch-1 decoder accepts: the head's side of
@@ -268,7 +268,14 @@ def test_batched_head_speculation_off_and_on(target, head):
     assert sum(r.stats.num_accepted_tokens for r in rows) > 0
 
 
-@pytest.mark.parametrize("rule,tree", [("resispec", (1, 1, 1)), ("resispec", (2, 2, 1)), ("gumbel", (2, 1))])
+@pytest.mark.parametrize(
+    "rule,tree",
+    [
+        pytest.param("resispec", (1, 1, 1), marks=pytest.mark.slow),
+        ("resispec", (2, 2, 1)),
+        pytest.param("gumbel", (2, 1), marks=pytest.mark.slow),
+    ],
+)
 def test_batched_head_sampled_rows_equal_alone(rule, tree, target, head):
     """Sampled rows (own generator, own temperature) next to a greedy neighbour: the batch-1 decoder's tokens.
     Without top-k / top-p: the head's logits in a batch differ from its batch-1 logits by float rounding (~1e-6, the
