@@ -29,7 +29,8 @@ PAGES = sorted(
     [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "recipes").glob("*/README.md")],
     key=lambda p: str(p),
 )
-RECORD = {ROOT / "docs" / "journal.md"}  # names removed paths on purpose: links only
+# names removed paths on purpose / cites other projects' files: links only
+RECORD = {ROOT / "docs" / "journal.md", ROOT / "docs" / "eagle3_notes.md"}
 JOURNAL = sorted((ROOT / "docs" / "journal").glob("*.md"))
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
