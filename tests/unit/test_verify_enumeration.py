@@ -13,7 +13,8 @@ CDF, base.uniform's acceptance tests, the residual draw). During these tests `to
   coincidence of tokens cannot hide it); every accept/reject pattern of the n uniforms is then a box of known volume
   whose centre is fed to verify. The all-rejected box ends in the residual draw, again an inverse CDF: its law is read
   off by bisecting, per token, the largest uniform that emits a token <= it.
-Bisection stops at 2^-60; the boxes' volumes are exact to ~1e-16, far inside 1e-9.
+The searches stop at 2^-54 (float64 uniforms are multiples of 2^-53): the boxes' volumes are exact to ~1e-16, far
+inside 1e-9.
 
 gumbel (and resispec_auto where it takes gumbel) draws Gumbel noise, a continuous variable with no boxes: there the
 test checks the identity the law rests on, verify's token = argmax(log p + G) for the proposal's own noise G (the
@@ -37,7 +38,11 @@ from resispec.verify.distinct import hub_split
 
 CASES = json.loads((Path(__file__).resolve().parents[1] / "data" / "verify_cases.json").read_text())["cases"]
 TOL = 1e-9
-BISECT = 54  # halvings: thresholds to 2^-54 (float64 uniforms are multiples of 2^-53)
+GRID, ROUNDS = 63, 9  # the threshold searches: 63 points (6 halvings) per verify call, 9 calls: to 2^-54
+# rows per verify call, ALWAYS (short calls are padded): a row's output may depend on the batch size (resispec's T is
+# located by a grid whose size follows the batch; where g(T) is flat at 0, float noise picks different points of the
+# flat part, all exact but each with its own plan), so every call of one enumeration must see the same batch size
+CHUNK = 1 << 12
 # the default run enumerates the cases with at most this many draw tuples (V^n): 34 of the 45, every n (n = 4 at
 # V = 4, V = 8 at n = 2), ~2k tuples against ~15k for all; the slow test takes every case
 DEFAULT_MAX_TUPLES = 256
@@ -165,6 +170,21 @@ def enumerate_proposals(monkeypatch, rule, q: torch.Tensor, n: int):
 # ---------------------------------------------------------------------------------------------- verification
 
 
+def search_below(pred, count: int) -> torch.Tensor:
+    """sup{u in [0, 1]: pred(u)} for `count` predicates that hold exactly below a threshold -> [count], to 2^-54.
+    pred(items [M], u [M]) -> bool [M] evaluates item items[j] at u[j]; a grid of GRID points per round (one call)."""
+    lo = torch.zeros(count, dtype=torch.float64)
+    hi = torch.ones(count, dtype=torch.float64)
+    ticks = torch.arange(1, GRID + 1, dtype=torch.float64) / (GRID + 1)
+    items = torch.arange(count).repeat_interleave(GRID)
+    for _ in range(ROUNDS):
+        width = hi - lo
+        u = (lo[:, None] + width[:, None] * ticks).flatten()
+        below = pred(items, u).view(count, GRID).sum(-1).double()  # the first `below` grid points hold
+        lo, hi = lo + width * below / (GRID + 1), lo + width * (below + 1) / (GRID + 1)
+    return hi
+
+
 def exact_law(monkeypatch, rule, p: torch.Tensor, q: torch.Tensor, n: int) -> torch.Tensor:
     """The law [V] of rule.verify's token, over every draw tuple and every uniform box (module docstring)."""
     proposal, probs = enumerate_proposals(monkeypatch, rule, q, n)
@@ -179,13 +199,25 @@ def tuple_laws(monkeypatch, rule, p: torch.Tensor, proposal: Proposal, n: int) -
 
     def verify(idx: torch.Tensor, accept: torch.Tensor, residual) -> torch.Tensor:
         """Tokens [N] of verify on proposal rows idx [N] with acceptance uniforms accept [N, k] and the residual
-        draw's uniforms (a tensor [N] or one float for every row)."""
-        blocks = ([accept] if k else []) + [residual if isinstance(residual, float) else residual[:, None]]
-        script = scripted(monkeypatch, blocks)
-        token, _ = rule.verify(p[None].expand(len(idx), -1).contiguous(), take(proposal, idx), None)
-        monkeypatch.undo()
-        assert len(script.shapes) <= k_calls, script.shapes
-        return token
+        draw's uniforms (a tensor [N] or one float for every row); CHUNK rows per call."""
+        out = []
+        for start in range(0, len(idx), CHUNK):
+            cut = slice(start, start + CHUNK)
+            rows_, acc = idx[cut], accept[cut]
+            res = residual if isinstance(residual, float) else residual[cut]
+            pad = CHUNK - len(rows_)
+            if pad:  # copies of the first row, discarded
+                rows_ = torch.cat([rows_, rows_[:1].expand(pad)])
+                acc = torch.cat([acc, acc[:1].expand(pad, -1)])
+                res = res if isinstance(res, float) else torch.cat([res, res[:1].expand(pad)])
+            script = scripted(
+                monkeypatch, ([acc] if k else []) + [res if isinstance(res, float) else res[:, None]]
+            )
+            token, _ = rule.verify(p[None].expand(CHUNK, -1).contiguous(), take(proposal, rows_), None)
+            monkeypatch.undo()
+            assert len(script.shapes) <= k_calls, script.shapes
+            out.append(token[: CHUNK - pad])
+        return torch.cat(out)
 
     # the calls verify makes: [acceptance uniforms, residual draw] or [residual draw] (onehot) or none (greedy);
     # every test rejecting (uniforms 1.0), so that no call is skipped
@@ -215,41 +247,32 @@ def tuple_laws(monkeypatch, rule, p: torch.Tensor, proposal: Proposal, n: int) -
             if not len(idx):
                 break
 
-            def emits_x(u, idx=idx, later=later, r=r, i=i, x=x):
-                acc = torch.full((len(idx), k), REJECT, dtype=torch.float64)
+            def emits_x(rows_, u, later=later, r=r, i=i, x=x):
+                acc = torch.full((len(rows_), k), REJECT, dtype=torch.float64)
                 acc[:, i] = u
                 if later is not None:
                     acc[:, later] = 0.0
-                return verify(idx, acc, r) == x[idx]
+                return verify(rows_, acc, r) == x[rows_]
 
-            visible = ~emits_x(torch.full((len(idx),), REJECT, dtype=torch.float64))
+            visible = ~emits_x(idx, torch.full((len(idx),), REJECT, dtype=torch.float64))
             idx_v = idx[visible]
             if not len(idx_v):
                 continue
-            lo = torch.zeros(len(idx_v), dtype=torch.float64)
-            hi = torch.ones(len(idx_v), dtype=torch.float64)
-            sub = visible.nonzero()[:, 0]
-            for _ in range(BISECT):
-                mid = 0.5 * (lo + hi)
-                u = torch.full((len(idx),), REJECT, dtype=torch.float64)
-                u[sub] = mid
-                hit = emits_x(u)[sub]
-                lo, hi = torch.where(hit, mid, lo), torch.where(hit, hi, mid)
-            thresholds[idx_v, i] = hi
+            thresholds[idx_v, i] = search_below(
+                lambda items, u, idx_v=idx_v: emits_x(idx_v[items], u), len(idx_v)
+            )
             pending[idx_v] = False
         # rows where no probe shows the test: every path emits x_i either way, so one box [0, 1) serves
 
     # the residual's law where every test rejected: per token v, the largest uniform emitting a token <= v
-    reject_all = torch.full((rows * vocab, k), REJECT, dtype=torch.float64)
     rep = all_rows.repeat_interleave(vocab)
     v = torch.arange(vocab).repeat(rows)
-    lo = torch.zeros(rows * vocab, dtype=torch.float64)
-    hi = torch.ones(rows * vocab, dtype=torch.float64)
-    for _ in range(BISECT):
-        mid = 0.5 * (lo + hi)
-        below = verify(rep, reject_all, mid) <= v
-        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
-    cdf = lo.view(rows, vocab)
+
+    def emits_at_most_v(items, u):
+        reject_all = torch.full((len(items), k), REJECT, dtype=torch.float64)
+        return verify(rep[items], reject_all, u) <= v[items]
+
+    cdf = search_below(emits_at_most_v, rows * vocab).view(rows, vocab)
     residual_law = torch.diff(cdf, dim=1, prepend=torch.zeros(rows, 1, dtype=torch.float64))
 
     none_accepted = probs * (1 - thresholds).prod(-1)
@@ -300,6 +323,7 @@ def check_every_case(name: str, monkeypatch, max_tuples: int | None) -> int:
     return checked
 
 
+@pytest.mark.timeout(900)  # 5-60 s per rule alone; several minutes when the 2 cores are shared by many jobs
 @pytest.mark.parametrize("name", ENUMERATED)
 def test_exact_output_law_is_p_on_the_reference_cases(name, monkeypatch):
     """The reference cases up to 256 draw tuples (34 of 45: V <= 8, n <= 4, every n), each at its own n and at
@@ -309,7 +333,8 @@ def test_exact_output_law_is_p_on_the_reference_cases(name, monkeypatch):
     assert check_every_case(name, monkeypatch, DEFAULT_MAX_TUPLES) >= 30
 
 
-@pytest.mark.slow  # ~15k draw tuples per rule: ~30-60 s per rule on 2 loaded cores
+@pytest.mark.slow  # ~15k draw tuples per rule: minutes per rule
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("name", ENUMERATED)
 def test_exact_output_law_is_p_on_every_reference_case(name, monkeypatch):
     """As above, on all 45 cases (up to 4096 draw tuples: V = 8, n = 4)."""
