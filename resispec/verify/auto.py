@@ -5,7 +5,7 @@ i.i.d. draws repeat the top token and distinct draws (`gumbel`, `rsd` or `resisp
 there is nothing to cover: every row takes the i.i.d. branch (standard speculative sampling, the optimal coupling). q is known
 before drafting, so a choice that looks only at q (and n) keeps every node exact: each row is an exact rule.
 
-    rule = VERIFIERS["resispec_auto"]                # default policy: distinct + gumbel where max q >= 0.3
+    rule = VERIFIERS["resispec_auto"]                # default_policy(): gumbel where max q >= 0.3 (0.4 at n = 2)
     rule = build_rule("resispec_auto", "auto_policy.json")   # a calibrated policy (resispec.verify.registry)
     proposal = rule.propose(q, n, generator)         # AutoProposal: token_ids [B, n] + which branch each row took
     token, slot = rule.verify(p, proposal, generator)
@@ -56,14 +56,11 @@ class AutoPolicy:
     """Distinct draws where the draft is confident: max_q >= threshold, or entropy <= threshold.
 
     thresholds, distinct_rules: per-n overrides (JSON keys are strings); n not listed uses `threshold` and
-    `distinct_rule`. The default sets n = 2 to 0.4: with two draws, gumbel at max q in [0.3, 0.4) accepts less than
-    resispec, and the policy at 0.3 fell below resispec on random pairs (V = 16, logits N(0, 1): .8072 against
-    .8093, 2000 nodes); at 0.4 it is above both branches for n = 2, 3, 4 at every logit scale tried (0.5 to 3).
-    At n = 1 no row is ever distinct (distinct_rows)."""
+    `distinct_rule`. At n = 1 no row is ever distinct (distinct_rows). The registry's default is DEFAULT_POLICY."""
 
     feature: str = "max_q"
     threshold: float = 0.3
-    thresholds: dict[int, float] = field(default_factory=lambda: {2: 0.4})
+    thresholds: dict[int, float] = field(default_factory=dict)
     iid_rule: str = "resispec"
     distinct_rule: str = "gumbel"
     distinct_rules: dict[int, str] = field(default_factory=dict)
@@ -96,6 +93,14 @@ class AutoPolicy:
     @classmethod
     def load(cls, path: str | Path) -> AutoPolicy:
         return cls(**json.loads(Path(path).read_text()))
+
+
+def default_policy() -> AutoPolicy:
+    """The policy resispec_auto runs without one: max q >= 0.3, except n = 2 at 0.4. With two draws gumbel at max q
+    in [0.3, 0.4) accepts less than resispec: the policy at 0.3 fell below resispec on random pairs (V = 16, logits
+    N(0, 1): .8072 against .8093, 2000 nodes); with 0.4 at n = 2 it is above both branches for n = 2, 3, 4 at every
+    logit scale tried (0.5 to 3). A policy given explicitly (decode.auto_policy, a calibrated JSON) is used as is."""
+    return AutoPolicy(thresholds={2: 0.4})
 
 
 @dataclass
@@ -154,9 +159,9 @@ class ResiSpecAutoRule:
         distinct: Mapping[str, VerificationRule],
         name: str = "resispec_auto",
     ) -> None:
-        """policy: None = the default AutoPolicy. iid: the rule named policy.iid_rule. distinct: the distinct rules
+        """policy: None = default_policy(). iid: the rule named policy.iid_rule. distinct: the distinct rules
         by name, covering every rule the policy names."""
-        self.policy = policy or AutoPolicy()
+        self.policy = policy or default_policy()
         self.name = name
         names = {self.policy.distinct_rule, *self.policy.distinct_rules.values()}
         if iid.name != self.policy.iid_rule or not names <= set(distinct):

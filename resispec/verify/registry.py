@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from resispec.verify.auto import AutoPolicy, ResiSpecAutoRule, resolve_auto_policy
+from resispec.verify.auto import AutoPolicy, ResiSpecAutoRule, default_policy, resolve_auto_policy
 from resispec.verify.base import SCHEMES, VerificationRule
 from resispec.verify.distinct import GumbelRule, HubRule, OneHotRule, RsdRule
 from resispec.verify.greedy import GreedyRule
@@ -46,7 +46,7 @@ def auto_rule(
 ) -> ResiSpecAutoRule:
     """resispec_auto with `policy` (None = default), its branches taken from `rules` by name."""
     by_name = {r.name: r for r in rules}
-    policy = policy or AutoPolicy()
+    policy = policy or default_policy()
     if policy.iid_rule not in by_name:
         raise ValueError(f"unknown iid rule {policy.iid_rule!r} in the resispec_auto policy")
     distinct = {n: r for n, r in by_name.items() if r.scheme == "distinct"}

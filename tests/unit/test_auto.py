@@ -13,7 +13,13 @@ import torch
 from scipy.stats import chi2
 
 from resispec.verify import VERIFIERS
-from resispec.verify.auto import AutoPolicy, AutoProposal, ResiSpecAutoRule, confidence_feature
+from resispec.verify.auto import (
+    AutoPolicy,
+    AutoProposal,
+    ResiSpecAutoRule,
+    confidence_feature,
+    default_policy,
+)
 from resispec.verify.registry import auto_rule, build_rule
 from resispec.verify.wor import choose_lambda, residual_after_reject, two_step_value
 from tests.unit.test_verify_reference import load_cases
@@ -246,7 +252,7 @@ def test_two_policies_coexist_and_come_from_config(tmp_path: Path) -> None:
     assert isinstance(from_file, ResiSpecAutoRule) and isinstance(inline, ResiSpecAutoRule)
     assert from_file is not inline and from_file.policy.threshold == 0.9 and inline.policy.threshold == 0.1
     assert (
-        VERIFIERS["resispec_auto"].policy == AutoPolicy()
+        VERIFIERS["resispec_auto"].policy == default_policy()
         and build_rule("resispec_auto") is VERIFIERS["resispec_auto"]
     )
     q = torch.tensor([[0.5, 0.3, 0.2]])
