@@ -4,15 +4,12 @@ micro world for the whole session, and the same model pair loaded in-process for
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
-from tests.smoke.test_server import KEY, MODEL, ROOT, RULE, TREE, _free_port
+from tests.smoke.processes import free_port, serving
+from tests.smoke.test_server import KEY, MODEL, ROOT, RULE, TREE
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +28,7 @@ def pair(micro_world):
 def server(micro_world):
     """Base URL of a server subprocess; always killed at the end (also when startup fails)."""
     _, paths = micro_world
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         str(ROOT / "serve" / "server.py"),
@@ -48,35 +45,8 @@ def server(micro_world):
         "logger.wandb.mode=disabled",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESISPEC_API_KEY": ""}
-    log_path = paths.root / "server.log"
-    log = open(log_path, "wb")  # a file, not a pipe: a full pipe would block the server
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("server did not start in 90 s")
-            time.sleep(0.3)
+    with serving(cmd, env, port, paths.root / "server.log", timeout_s=90) as url:
         yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        log.close()
 
 
 # ---------------------------------------------------------------- the real recipes' stand-ins (standin=true)

@@ -10,13 +10,13 @@ The launch refusals and config parsing are fast unit tests: tests/unit/test_trai
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.smoke.processes import free_port as _free_port
 from tests.smoke.test_distill_resume import _launch, _result, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,12 +38,6 @@ def _accelerate(port: int) -> list[str]:
         "--main_process_port",
         str(port),
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ranks(out: Path) -> list[dict]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -22,12 +21,6 @@ MODEL = "micro"
 RULE, TREE = "resispec", [2, 1]
 PROMPTS = ["def main():\n", "import os\n", "class Foo:\n    def ", "for i in range(", "return self."]
 HEADERS = {"Authorization": f"Bearer {KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()

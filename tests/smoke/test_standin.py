@@ -6,12 +6,9 @@ launch) for llama3, and the one-line refusals of the entry scripts."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.smoke.processes import free_port as _free_port
+from tests.smoke.processes import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {
@@ -134,42 +134,9 @@ def test_stage_scripts_one_by_one_on_the_llama3_standin(standin_built, standin_c
     assert (export_dir / "model.safetensors").exists() and (export_dir / "SERVE.md").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def _serving(cmd: list[str], port: int, log_path: Path):
     """The base URL of a server subprocess started with `cmd`; killed (with its group) on exit."""
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(log_path.read_text()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.5)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        log.close()
+    return serving(cmd, ENV, port, log_path, timeout_s=240)
 
 
 @pytest.mark.parametrize(
