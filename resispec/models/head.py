@@ -390,16 +390,3 @@ class DraftHead(nn.Module):
         h = self.step(self.fuse(feats), ids, pos)
         logits = self.target_logits(h)[:, :-1].to(out.logits.dtype)
         return SimpleNamespace(logits=torch.cat([out.logits[:, :1], logits], dim=1))
-
-
-def load_drafter(cfg, target, world=None):
-    """The drafter `cfg` names for `target`: a head folder (`DraftHead.from_pretrained`, on the target's device and
-    dtype) or a causal LM (resispec.models.loading.load_model)."""
-    from resispec.models.loading import load_model, resolve_model_path
-
-    path = resolve_model_path(cfg.path, world)
-    if getattr(cfg, "kind", "model") == "head" or is_head_dir(path):
-        if not is_head_dir(path):
-            raise HeadConfigError(f"draft.kind=head: {path} is not a head folder (a head run's draft/)")
-        return DraftHead.from_pretrained(path, target)
-    return load_model(cfg, world)

@@ -22,7 +22,14 @@ import shlex
 import shutil
 from pathlib import Path
 
-from resispec.models.export import HEAD_DIMS, TMP_PREFIX, ExportError, ExportResult, default_backend, head_dim
+from resispec.models.export_base import (
+    HEAD_DIMS,
+    TMP_PREFIX,
+    ExportError,
+    ExportResult,
+    default_backend,
+    head_dim,
+)
 from resispec.models.loading import load_tokenizer, resolve_model_path
 
 VLLM_AUX_LAYERS = 3  # vLLM's Eagle3 fc: Linear(3 * target_hidden_size, hidden_size)

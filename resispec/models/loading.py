@@ -13,6 +13,7 @@ import torch
 
 from resispec.errors import UserError
 from resispec.models.config import ModelConfig, WorldConfig
+from resispec.models.head import DraftHead, HeadConfigError, is_head_dir
 from resispec.models.world import ensure_world
 
 WORLD_PREFIX = "world:"
@@ -148,10 +149,19 @@ def check_same_tokenizer(tok_a, tok_b, names: tuple[str, str] = ("target", "draf
         )
 
 
+def load_drafter(cfg, target, world=None):
+    """The drafter `cfg` names for `target`: a head folder (`DraftHead.from_pretrained`, on the target's device and
+    dtype) or a causal LM (load_model)."""
+    path = resolve_model_path(cfg.path, world)
+    if getattr(cfg, "kind", "model") == "head" or is_head_dir(path):
+        if not is_head_dir(path):
+            raise HeadConfigError(f"draft.kind=head: {path} is not a head folder (a head run's draft/)")
+        return DraftHead.from_pretrained(path, target)
+    return load_model(cfg, world)
+
+
 def load_pair(target: ModelConfig, draft: ModelConfig, world: WorldConfig | None = None):
     """(target model, draft model, tokenizer): the tokenizers are compared before any weights load."""
-    from resispec.models.head import load_drafter
-
     tok_t = load_tokenizer(target, world)
     tok_d = load_tokenizer(draft, world)
     check_same_tokenizer(tok_t, tok_d)

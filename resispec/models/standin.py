@@ -29,7 +29,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from resispec.errors import UserError
+from resispec.models.factory import train_bpe_tokenizer
 from resispec.models.hub_configs import HUB_CONFIGS, shipped_config_dir, shipped_hub_names
+from resispec.models.loading import resolve_device
+from resispec.models.world import cache_root, file_lock, stdlib_files
 
 STANDIN_FORMAT = 5  # bump when the build changes in a way that invalidates cached stand-ins
 SPLITS = ("train_sft", "test_sft", "train_gen", "test_gen")
@@ -249,13 +252,11 @@ def load_standin(spec: StandinSpec, cache: Path) -> StandinPaths | None:
 
 def ensure_standin(spec: StandinSpec, cache: Path, progress: bool = True) -> StandinPaths:
     """Build the stand-in once (tokenizer, target, draft, dataset, report) or return the cached one."""
-    from resispec.models.world import _lock
-
     found = load_standin(spec, cache)
     if found is not None:
         return found
     root = standin_dir(spec, cache)
-    with _lock(root.parent / f"{root.name}.lock"):
+    with file_lock(root.parent / f"{root.name}.lock"):
         found = load_standin(spec, cache)  # another process may have finished while we waited
         if found is not None:
             return found
@@ -279,8 +280,6 @@ def ensure_standin(spec: StandinSpec, cache: Path, progress: bool = True) -> Sta
 
 def _sample_modules() -> list[tuple[str, str]]:
     """(module key, source) of a fixed sample of stdlib modules (the tiny world's file walk, in hash order)."""
-    from resispec.models.world import stdlib_files
-
     out = []
     for key, path in stdlib_files(BPE_TEXT_FILES):
         out.append((key, path.read_text(encoding="utf-8", errors="replace")))
@@ -385,8 +384,6 @@ def build_tokenizer(family: Family, texts: list[str]):
     then the specials; BOS on encode where the real one adds it; the family's chat template."""
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
-
-    from resispec.models.factory import train_bpe_tokenizer
 
     trained = train_bpe_tokenizer(texts, BPE_VOCAB)  # its 3 own specials sit at ids 0-2
     state = json.loads(trained.backend_tokenizer.to_str())
@@ -572,8 +569,6 @@ def apply_standin(cfg):
     """The config with target.path / draft.path / data.source pointing at the local stand-in (built once and
     cached); everything else (recipe name, splits, loss, tree, batch) unchanged, except that a 16-bit model that
     runs on the CPU loads in float32."""
-    from resispec.models.world import cache_root
-
     spec = standin_spec(cfg)
     paths = ensure_standin(spec, cache_root(cfg.world))
     return replace(
@@ -588,8 +583,6 @@ def _on_this_machine(model):
     """A 16-bit model that will run on the CPU is loaded in float32: CPUs without native bf16 run the stand-in's
     128k-vocabulary head about 3x slower in bf16 (measured here: 342 vs 114 ms per token under load). Training's
     mixed precision (train.mixed_precision) is left as the recipe sets it."""
-    from resispec.models.loading import resolve_device
-
     if model.dtype in ("bfloat16", "float16") and resolve_device(model.device).type == "cpu":
         return replace(model, dtype="float32")
     return model

@@ -162,7 +162,7 @@ def _token_stream(tokenizer, texts: list[str]) -> np.ndarray:
 
 
 @contextmanager
-def _lock(path: Path):
+def file_lock(path: Path):
     """Inter-process lock so parallel test sessions / scripts build a world once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
@@ -188,7 +188,7 @@ def ensure_world(world: WorldConfig, progress: bool = True) -> WorldPaths:
     if found is not None:  # silent: every model load resolves world paths through here
         return found
     root = world_dir(world)
-    with _lock(root.parent / f"{root.name}.lock"):
+    with file_lock(root.parent / f"{root.name}.lock"):
         found = load_world(world)  # another process may have finished while we waited
         if found is not None:
             return found
@@ -391,7 +391,7 @@ def retrain_draft(world: WorldConfig, progress: bool = True) -> dict:
     paths = load_world(world)
     if paths is None:
         raise RuntimeError(f"world {world.name} is not built yet (python train/pretrain.py)")
-    with _lock(paths.root.parent / f"{paths.root.name}.lock"):
+    with file_lock(paths.root.parent / f"{paths.root.name}.lock"):
         report = paths.report
         tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
         train_ids = np.load(paths.splits_dir / "train.npy")
