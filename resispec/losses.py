@@ -589,7 +589,7 @@ def _head_parent(model: torch.nn.Module, head: torch.nn.Module) -> tuple[torch.n
 
 
 @contextmanager
-def _head_swapped(model: torch.nn.Module, head: torch.nn.Module, index: Tensor, hidden_only: bool):
+def head_swapped(model: torch.nn.Module, head: torch.nn.Module, index: Tensor, hidden_only: bool):
     """Within the block, a forward of `model` (wrapped or not) computes only the rows `index`: the head replaced by
     `_SelectRows` (hidden_only: no logits), or, where the head must stay in place (a sharded model: FSDP or
     DeepSpeed gather its weights only inside the forward), a pre-hook that feeds it only those rows."""
@@ -634,7 +634,7 @@ def model_rows(
     head = inner.get_output_embeddings()
     plain = type(head) is torch.nn.Linear and not getattr(inner.config, "final_logit_softcapping", None)
     fused = fused and plain
-    with _head_swapped(inner, head, index, hidden_only=fused):
+    with head_swapped(inner, head, index, hidden_only=fused):
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     if not fused:
         return Rows(out)

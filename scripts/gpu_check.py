@@ -181,7 +181,7 @@ def part_distill(out: Path, dry: bool) -> dict:
     from resispec.models.hub_configs import shipped_config_dir
     from resispec.models.standin import DRAFT_SIZE, TARGET_SIZE, shrunk_config
     from resispec.training.loop import JOB_SECTIONS, DistillJob
-    from resispec.training.memory_plan import measure_step
+    from resispec.training.measure import measure_step
 
     overrides = ["+recipe=llama3", "train.max_steps=4"]
     if dry:

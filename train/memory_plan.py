@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> str:
         c = to_typed(compose(config_name="distill", overrides=args.overrides))
     if args.measure:
         from resispec.training.loop import JOB_SECTIONS, DistillJob
-        from resispec.training.memory_plan import measure_step
+        from resispec.training.measure import measure_step
 
         job = DistillJob(**{k: getattr(c, k) for k in JOB_SECTIONS}, output_dir="/dev/null", name=c.name)
         out = {"recipe": c.name, "standin": c.standin, **measure_step(job)}

@@ -20,12 +20,12 @@ import sys
 import time
 from types import SimpleNamespace
 
-
-def _status_kib(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
+from resispec.decoding.config import DecodeConfig
+from resispec.losses import LossConfig
+from resispec.models.config import ModelConfig
+from resispec.training import loop
+from resispec.training.config import TrainConfig
+from resispec.training.measure import status_kib
 
 
 def _reset_peak() -> None:
@@ -74,12 +74,6 @@ def measure(vocab: int, positions: int, rows: int, loss_name: str, chunk: int | 
     import torch
     from accelerate import Accelerator
 
-    from resispec.decoding.config import DecodeConfig
-    from resispec.losses import LossConfig
-    from resispec.models.config import ModelConfig
-    from resispec.training import loop
-    from resispec.training.config import TrainConfig
-
     torch.set_num_threads(1)
     draft, target, batch, mask = build(vocab, positions, rows)
     acc = Accelerator(cpu=True)
@@ -99,10 +93,10 @@ def measure(vocab: int, positions: int, rows: int, loss_name: str, chunk: int | 
         return time.perf_counter() - t0
 
     step()  # warm-up: allocates the parameter gradients
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     _reset_peak()
     seconds = min(step() for _ in range(1))
-    peak = _status_kib("VmHWM")
+    peak = status_kib("VmHWM")
     return {
         "vocab": vocab,
         "positions": positions,

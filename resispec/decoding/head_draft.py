@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from resispec.decoding.batch_rows import left_padded
+from resispec.decoding.fast_forward import FastCausalLM
 from resispec.decoding.kv_cache import (
     cache_length,
     compact_to_path,
@@ -40,8 +42,6 @@ def target_forward(fwd, layers, ids, cache, pos=None, mask=None, logits_to_keep:
     """One cached target forward -> (logits [1, Q', V], the states entering `layers`, concatenated [1, Q, k*H]).
     The decoder's fast forward returns them directly; the HF forward through output_hidden_states (HF index k =
     the input of layer k for k < L)."""
-    from resispec.decoding.fast_forward import FastCausalLM
-
     common = dict(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=logits_to_keep)
     if isinstance(fwd, FastCausalLM):
         out = fwd(cache=cache, use_cache=True, capture=tuple(layers), **common)
@@ -147,8 +147,6 @@ def pending_after(
 def root_block(head, pendings: list[HeadPending], lengths: list[int], device):
     """The root forward's inputs for every row, LEFT-padded: (fused hidden [B, W, H], ids [B, W], positions [B, W],
     valid [B, W], allowed [B, W, W]); `lengths`: each row's root position (its pairs end at position length - 1)."""
-    from resispec.decoding.batch_rows import left_padded
-
     seqs = [p.tokens for p in pendings]
     ids, pos, valid, allowed = left_padded(
         seqs, [n - len(s) for n, s in zip(lengths, seqs, strict=True)], device

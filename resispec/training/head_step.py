@@ -18,11 +18,12 @@ from resispec.errors import UserError
 from resispec.losses import (
     Rows,
     TargetSignal,
-    _head_swapped,
     distill_loss_rows,
+    head_swapped,
     loss_weights,
     response_index,
 )
+from resispec.models.head import DraftHead
 
 
 class HeadTrainingError(UserError, ValueError):
@@ -44,8 +45,6 @@ def check_head_job(job) -> None:
 def build_head(target, draft_cfg, train_rows=None):
     """A fresh head on `target` (DraftHead.from_target) from draft.head; a reduced vocabulary counts the training
     responses' tokens."""
-    from resispec.models.head import DraftHead
-
     cfg = draft_cfg.head
     counts = None
     if cfg.draft_vocab_size and train_rows is not None:
@@ -68,7 +67,7 @@ def head_micro_batch_loss(run, batch: dict[str, torch.Tensor], mask: torch.Tenso
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(acc.mixed_precision))
     target = run.target
     lm_head = target.get_output_embeddings()
-    with acc.autocast(), torch.no_grad(), _head_swapped(target, lm_head, index, hidden_only=True):
+    with acc.autocast(), torch.no_grad(), head_swapped(target, lm_head, index, hidden_only=True):
         out = target(input_ids=ids, attention_mask=batch["attention_mask"], output_hidden_states=True)
     feats = torch.cat([out.hidden_states[i] for i in head.layers], dim=-1).detach()
     t_rows = out.logits.detach()  # [N, H]: the target's final hidden states at the response positions

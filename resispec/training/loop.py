@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from resispec.data import data_cache_dir, ensure_regenerated, pack
 from resispec.data.config import DataConfig
+from resispec.data.packing import trim_padding
 from resispec.decoding.config import DecodeConfig
 from resispec.errors import UserError
 from resispec.losses import (
@@ -35,7 +37,9 @@ from resispec.losses import (
     model_rows,
     response_index,
 )
+from resispec.models import load_model, load_pair, load_tokenizer, resolve_model_path
 from resispec.models.config import ModelConfig, WorldConfig
+from resispec.models.pretraining import resolve_mixed_precision
 from resispec.training import checkpoint as ckpt
 from resispec.training.config import LoggerConfig, LossConfig, OptimConfig, TrainConfig
 from resispec.training.distributed import (
@@ -53,6 +57,8 @@ from resispec.training.evaluation import (
     shard_sequences,
     target_eval_logprobs,
 )
+from resispec.training.head_step import build_head, check_head_job, head_micro_batch_loss
+from resispec.training.memory_plan import check_fits, run_plan
 from resispec.training.schedule import resolve_schedule
 from resispec.training.signal import attach_cache, build_cache_sharded, cache_key, cached_signal
 from resispec.training.tracking import RunLogger
@@ -241,8 +247,6 @@ def _setup(job: DistillJob) -> _Run:
         accelerator, job.world, job.target, job.draft, job.data, job.rows
     )
     export_dtype = draft.dtype  # before float32 master weights: draft/ and best/ are written in it
-    from resispec.training.memory_plan import check_fits, run_plan
-
     check_fits(run_plan(job, accelerator, target, draft), accelerator.device, job.train.force_memory)
     packed, eval_seqs = _pack(job, train_ds, eval_ds, _pad_id(tok))
     train, optim, schedule = resolve_schedule(job.train, job.optim, len(packed), accelerator.num_processes)
@@ -314,14 +318,10 @@ def _check_job(job: DistillJob) -> None:
     if job.draft.adapter not in ("none", "lora"):
         raise DistillConfigError(f"draft.adapter must be none or lora, got {job.draft.adapter!r}")
     if job.draft.kind == "head":  # a draft head (resispec/training/head_step.py)
-        from resispec.training.head_step import check_head_job
-
         check_head_job(job)
 
 
 def _make_accelerator(job: DistillJob):
-    from resispec.models.pretraining import resolve_mixed_precision
-
     on_cpu = job.target.device == "cpu" or not torch.cuda.is_available()
     precision = job.train.mixed_precision
     if precision == "auto":
@@ -358,8 +358,6 @@ def _resolve_run_dir(accelerator, job: DistillJob) -> Path:
 
 def _pack(job: DistillJob, train_ds, eval_ds, pad_id: int):
     """(packed training rows in torch format, held-out sequences); refuses data without response tokens."""
-    from resispec.data import pack
-
     packed = pack(train_ds, job.data.seq_len, pad_id).with_format("torch")
     if len(packed) == 0 or int(sum(int(r["loss_mask"].sum()) for r in packed)) == 0:
         raise EmptyDatasetError(
@@ -374,9 +372,6 @@ def _pack(job: DistillJob, train_ds, eval_ds, pad_id: int):
 def _attach_target_cache(accelerator, job: DistillJob, target, packed):
     """The packed rows with the target's cached top-K log-probs: every process builds its share of the rows, the
     main process merges them (build_cache_sharded); loaded by all."""
-    from resispec.data import data_cache_dir
-    from resispec.models import resolve_model_path
-
     target_id = resolve_model_path(job.target.path, job.world)  # names the world build (its config hash)
     key = cache_key(target_id, packed._fingerprint, job.train.cached_top_k, job.decode.temperature)
     path = data_cache_dir(job.data, job.world) / "target_topk" / key
@@ -477,14 +472,10 @@ def _micro_batch_loss(run: _Run, batch: dict[str, torch.Tensor], mask: torch.Ten
     """(loss, stats) of one micro-batch: the draft's (and the online target's) logits at the response positions
     only, against the online or cached target signal, the loss over them in chunks (resispec.losses). Rows are
     trimmed to the batch's longest first (right padding: nothing before it changes)."""
-    from resispec.data.packing import trim_padding
-
     acc, job = run.accelerator, run.job
     batch = trim_padding(batch)
     mask = mask[:, : batch["input_ids"].shape[1] - 1]  # logits at t predict token t + 1
     if job.draft.kind == "head":
-        from resispec.training.head_step import head_micro_batch_loss
-
         return head_micro_batch_loss(run, batch, mask)
     index = response_index(mask, batch["input_ids"].shape[1])
     # a sharded draft gathers its head only inside its forward: there the forward computes the rows' logits
@@ -647,12 +638,7 @@ def _load_inputs(accelerator, world, target_cfg, draft_cfg, data_cfg, rows):
     """(target, draft, tokenizer, train rows, held-out rows), both models on this process's device; rows =
     (train, eval) skips regeneration. Regeneration is cached and split over the processes; with
     data.regen.engine=vllm it runs first, before any HF weights load (vLLM takes the GPUs while it runs)."""
-    from resispec.models import load_pair
-
     if rows is None and data_cfg.regen.engine == "vllm" and data_cfg.draft_fraction <= 0:
-        from resispec.data import ensure_regenerated
-        from resispec.models import load_tokenizer, resolve_model_path
-
         tok, model_dir = load_tokenizer(target_cfg, world), resolve_model_path(target_cfg.path, world)
         rows = tuple(
             ensure_regenerated(
@@ -672,17 +658,12 @@ def _load_inputs(accelerator, world, target_cfg, draft_cfg, data_cfg, rows):
     target_cfg = dataclasses.replace(target_cfg, device=device) if target_cfg.device == "auto" else target_cfg
     draft_cfg = dataclasses.replace(draft_cfg, device=device) if draft_cfg.device == "auto" else draft_cfg
     if draft_cfg.kind == "head":  # built on the target (resispec/training/head_step.py)
-        from resispec.models import load_model, load_tokenizer
-        from resispec.training.head_step import build_head
-
         target, tok, draft = load_model(target_cfg, world), load_tokenizer(target_cfg, world), None
     else:
         target, draft, tok = load_pair(target_cfg, draft_cfg, world)
         draft.to(accelerator.device)
     target.to(accelerator.device).eval().requires_grad_(False)
     if rows is None:
-        from resispec.data import ensure_regenerated
-
         rows = tuple(
             ensure_regenerated(
                 data_cfg,

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from resispec.losses import TargetSignal
 from resispec.sampling import effective_temperature
+from resispec.training.checkpoint import sync_flag
 
 Tensor = torch.Tensor
 
@@ -101,8 +102,6 @@ def build_cache_sharded(
     main process concatenating the shares in rank order into `path`: the same dataset as one process's build,
     written atomically, with build.json saying who built which rows. Every process returns the loaded cache."""
     import datasets
-
-    from resispec.training.checkpoint import sync_flag
 
     if not sync_flag(accelerator, path.exists()):  # the main process decides: the folder may appear meanwhile
         n, world, rank = len(packed), accelerator.num_processes, accelerator.process_index
