@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from resispec.data.config import DataConfig, RegenConfig
 from resispec.data.prompts import load_prompts
 from resispec.models.config import WorldConfig
+from resispec.models.eos import model_eos, normalize_eos
 from resispec.models.world import cache_root
 
 REGEN_FORMAT = 1
@@ -64,8 +65,6 @@ def files_fingerprint(model_dir: str) -> str:
 def eos_ids(tokenizer, target=None, model_dir: str | None = None) -> list[int]:
     """Every id that ends a response: the tokenizer's eos first, then the generation config's (Llama 3 stops at
     <|eot_id|>, <|end_of_text|> and <|eom_id|>, as HF generate and vLLM do)."""
-    from resispec.decoding.stopping import model_eos, normalize_eos
-
     gen = model_eos(target) if target is not None else None
     if gen is None and model_dir:
         try:

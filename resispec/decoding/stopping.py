@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from resispec.models.eos import model_eos, normalize_eos
+
+__all__ = ["StopChecker", "make_stop_string_checker", "model_eos", "normalize_eos", "stop_checkers"]
+
 StopChecker = Callable[[list[int]], bool]  # generated ids so far (prompt excluded) -> stop now?
-
-
-def normalize_eos(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
-    if eos_token_id is None:
-        return frozenset()
-    if isinstance(eos_token_id, int):
-        return frozenset([eos_token_id])
-    return frozenset(int(t) for t in eos_token_id)
 
 
 def make_stop_string_checker(tokenizer, stop: str | Sequence[str]) -> StopChecker:
@@ -45,8 +41,3 @@ def stop_checkers(
             raise ValueError(f"stop strings need {owner}(..., tokenizer=...) or a stop_checker")
         checkers.append(make_stop_string_checker(tokenizer, stop))
     return checkers
-
-
-def model_eos(model) -> int | list[int] | None:
-    """The EOS id(s) of a model's generation_config (None when it has none)."""
-    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
