@@ -17,6 +17,7 @@ from resispec.data.config import DataConfig
 from resispec.decoding.config import DecodeConfig
 from resispec.losses import LossConfig
 from resispec.models.config import ModelConfig, WorldConfig
+from resispec.models.standin import apply_standin
 from resispec.serving.config import BenchConfig, ServerConfig
 from resispec.training.config import LoggerConfig, OptimConfig, TrainConfig
 
@@ -55,7 +56,5 @@ def to_typed(cfg) -> ResiSpecConfig:
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, ResiSpecConfig), type(obj)
     if obj.standin:
-        from resispec.models.standin import apply_standin
-
         obj = apply_standin(obj)
     return obj
