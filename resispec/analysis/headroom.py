@@ -1,7 +1,7 @@
 """Headroom: per-node acceptance of every verification rule on a real (target, draft) pair, against the bounds.
 
-    python serve/headroom.py +recipe=debug                                  # micro world, a minute
-    python serve/headroom.py +recipe=tiny headroom.positions=200            # the tiny world (docs/headroom.md)
+    python bench/headroom.py +recipe=debug                                  # micro world, a minute
+    python bench/headroom.py +recipe=tiny headroom.positions=200            # the tiny world (docs/headroom.md)
 
 Options are the `headroom` config group (conf/headroom/default.yaml, resispec/analysis/config.py); any recipe's
 target/draft pair can be measured. Steps:
@@ -238,7 +238,7 @@ def run(
     draft_cfg: ModelConfig,
     world: WorldConfig,
     out_dir: str | Path,
-    command: str = "python serve/headroom.py",
+    command: str = "python bench/headroom.py",
 ) -> dict:
     """Steps 1-4 of the module docstring for the (target, draft) pair; writes the report into `out_dir`."""
     torch.manual_seed(cfg.seed)

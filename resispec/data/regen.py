@@ -21,6 +21,7 @@ from resispec.data.prompts import load_prompts
 from resispec.models.config import WorldConfig
 from resispec.models.eos import model_eos, normalize_eos
 from resispec.models.world import cache_root
+from resispec.vllm_venv import offline_generate
 
 REGEN_FORMAT = 1
 
@@ -138,8 +139,6 @@ def _vllm_responses(
     visible GPU, each on a contiguous share of the prompts (data parallel: vLLM's LLM class refuses
     data_parallel_size in one process), CUDA graphs on; on the CPU one engine in float32."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from resispec.serving.vllm_peer import offline_generate
 
     sampling = (regen.max_new_tokens, regen.temperature, regen.top_p, regen.top_k)
     if not torch.cuda.is_available():

@@ -15,7 +15,7 @@ Stops: `eos_token_id` (None = the target's generation_config; [] = none), `stop`
 `stop_checker=callable(generated_ids) -> bool`. The token that triggers a stop is the last one emitted; the caller
 trims the stop string from the text. Tokenizers: pass `tokenizer_target=` and `tokenizer_draft=` to have them
 checked (resispec.models.check_same_tokenizer; TokenizerMismatchError). Temperature 0 = greedy (exactly the
-target's greedy output). Timing: `python serve/bench.py`
+target's greedy output). Timing: `python bench/speed.py`
 (`bench.random_pair=true` for a random pair that needs no world).
 """
 

@@ -6,9 +6,11 @@ import logging
 from collections.abc import Callable
 
 from resispec.data.config import DataConfig
+from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.config import DecodeConfig
 from resispec.decoding.fast_forward import fast_forward
+from resispec.decoding.planner import Planner
 from resispec.errors import UserError
 from resispec.models import load_pair
 from resispec.models.config import ModelConfig, WorldConfig
@@ -100,8 +102,6 @@ def planned_trees(
     T = 1 (a chain of 3 or [2, 1, 1] where [3] measured 1.3x AR at one client). Logs each choice with its predicted
     tau and speedup. `threads_at` (rows -> torch threads, threads_by_rows): each size is timed on the threads it
     will decode on."""
-    from resispec.decoding.planner import Planner
-
     if not prompts:
         raise UserError(
             "decode.tree=auto needs calibration prompts (decode.plan_prompts > 0 and a data source)"
@@ -206,8 +206,6 @@ def build_app(
     threads = serving_threads(server, spare_core=not own_forward)
     prompts = None
     if decode.planned and decode.rule not in AR_RULES and data is not None and decode.plan_prompts > 0:
-        from resispec.data.prompts import load_heldout_prompts
-
         prompts = load_heldout_prompts(data, tokenizer, world, decode.plan_prompts, split="eval")
     engine = off_main_thread(
         build_engine, target, draft, tokenizer, decode, server, plan_prompts=prompts, threads=threads

@@ -13,7 +13,7 @@ before drafting, so a choice that looks only at q (and n) keeps every node exact
     alpha = rule.surrogate_acceptance(p, q, n)       # the training surrogate: closed form on every row (below)
 
 Policy (`AutoPolicy`): a feature of q (`max_q` or `entropy`, in nats) against a threshold, plus the two rules to
-use; threshold and distinct rule can be set per n (the small table `python serve/headroom.py` calibrates). The rule
+use; threshold and distinct rule can be set per n (the small table `python bench/headroom.py` calibrates). The rule
 API gives no depth, so the policy uses q and n only. The policy is plain data: the decoder, server and bench take it
 from `decode.auto_policy` (a JSON path or inline values) through `build_rule`; each call builds its own rule object,
 so two policies coexist in one process. The branch rules are injected (`ResiSpecAutoRule(policy, iid=, distinct=)`).

@@ -3,10 +3,10 @@ their code blocks composes.
 
 What is checked, per page:
 - markdown links to files in the repository (relative to the page), URLs and anchors aside;
-- repository paths in code (inline spans and fenced blocks): tokens under conf/, resispec/, train/, serve/, recipes/,
+- repository paths in code (inline spans and fenced blocks): tokens under conf/, resispec/, train/, serve/, bench/, recipes/,
   docs/, tests/, scripts/ or .ci/, taken as relative to the repository root;
 - `python X.py`, `bash X.sh` and `python -m package.module`: the file or module exists;
-- in fenced blocks, `python train|serve/X.py key=value ...` (also under `accelerate launch` or `torchrun`): the
+- in fenced blocks, `python train|serve|bench/X.py key=value ...` (also under `accelerate launch` or `torchrun`): the
   script's Hydra config composes with those overrides, so a misspelled key or group fails here, not on a GPU.
 Placeholders (`<name>`, `$VAR`, globs, `{a,b}`), `outputs/...` and `exports/...` (written by runs) are not paths.
 The frozen journal (docs/journal/, and the record page docs/journal.md, which names removed paths on purpose) is
@@ -24,7 +24,7 @@ from hydra.errors import ConfigCompositionException
 from resispec.config import register_configs, to_typed
 
 ROOT = Path(__file__).resolve().parents[2]
-TOP = ("conf", "resispec", "train", "serve", "recipes", "docs", "tests", "scripts", ".ci")
+TOP = ("conf", "resispec", "train", "serve", "bench", "recipes", "docs", "tests", "scripts", ".ci")
 PAGES = sorted(
     [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "recipes").glob("*/README.md")],
     key=lambda p: str(p),
@@ -92,7 +92,7 @@ def _missing_code_paths(page: Path) -> list[str]:
 
 
 def _commands(page: Path) -> list[tuple[str, list[str]]]:
-    """(script, hydra overrides) of every `python train|serve/X.py ...` line in the page's fenced blocks."""
+    """(script, hydra overrides) of every `python train|serve|bench/X.py ...` line in the page's fenced blocks."""
     found = []
     for block in FENCE.findall(page.read_text()):
         for line in block.replace("\\\n", " ").splitlines():
@@ -101,7 +101,7 @@ def _commands(page: Path) -> list[tuple[str, list[str]]]:
                 words = shlex.split(line.replace("`", " "))
             except ValueError:
                 continue
-            script = next((w for w in words if re.match(r"^(train|serve)/\w+\.py$", w)), None)
+            script = next((w for w in words if re.match(r"^(train|serve|bench)/\w+\.py$", w)), None)
             if script is None:
                 continue
             args = words[words.index(script) + 1 :]

@@ -1,4 +1,4 @@
-"""`serve/bench.py` on the micro world: every method runs and the three report files are written."""
+"""`bench/speed.py` on the micro world: every method runs and the three report files are written."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_bench_script_writes_report(micro_world, tmp_path):
     out = tmp_path / "bench"
     cmd = [
         sys.executable,
-        str(ROOT / "serve" / "bench.py"),
+        str(ROOT / "bench" / "speed.py"),
         "+recipe=debug",
         f"world.cache_dir={world.cache_dir}",
         f"bench.output_dir={out}",
@@ -82,10 +82,10 @@ def test_bench_script_writes_report(micro_world, tmp_path):
 def test_bench_random_pair_needs_no_world(tmp_path):
     """bench.random_pair (the former decoding/profile.py --random): a random tiny-world-shaped pair, random prompts,
     the same harness and report; tau and c come from DecodeStats."""
+    from resispec.benchmark.config import BenchConfig
+    from resispec.benchmark.speed import run_bench
     from resispec.decoding.config import DecodeConfig
     from resispec.models.config import ModelConfig
-    from resispec.serving.bench import run_bench
-    from resispec.serving.config import BenchConfig
 
     bench = BenchConfig(
         random_pair=True,
@@ -104,5 +104,7 @@ def test_bench_random_pair_needs_no_world(tmp_path):
     assert [r.method for r in rows] == ["ar", "spec"]
     assert rows[1].tau is not None and rows[1].c is not None
     s = rows[1].stats
-    assert s["num_drafts"] > 0 and rows[1].tau == pytest.approx(1 + s["num_accepted_tokens"] / s["num_drafts"])
+    assert s["num_drafts"] > 0 and rows[1].tau == pytest.approx(
+        1 + s["num_accepted_tokens"] / s["num_drafts"]
+    )
     assert json.loads((tmp_path / "report.json").read_text())["meta"]["target"].startswith("random")

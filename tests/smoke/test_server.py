@@ -362,8 +362,8 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
 
 
 def test_bench_load_test_mode(server):
-    from resispec.serving.config import BenchConfig
-    from resispec.serving.loadtest import run_load_test
+    from resispec.benchmark.config import BenchConfig
+    from resispec.benchmark.load import run_load_test
 
     bench = BenchConfig(concurrency=4, num_requests=8, max_new_tokens=8, temperatures=[1.0])
     res = run_load_test(server, PROMPTS, bench, api_key=KEY, show=False)

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import torch
 
+from resispec.benchmark.inprocess import serve_in_thread
 from resispec.decoding.tree import max_tree_nodes
-from resispec.serving.loadtest import serve_in_thread
 from resispec.serving.text import decode_ids, encode_text
 
 PROMPTS = ["def main():\n", "import os\n", "class Foo:\n    def ", "for i in range(", "return self.", "x = ["]
@@ -204,8 +204,8 @@ def test_disconnect_leaves_the_batch(serve, one_thread):
 
 
 def test_load_sweep_completes_every_request(serve, micro_world, tmp_path, one_thread):
-    from resispec.serving.config import BenchConfig
-    from resispec.serving.loadtest import run_load_sweep
+    from resispec.benchmark.config import BenchConfig
+    from resispec.benchmark.load import run_load_sweep
 
     url, _ = serve(max_batch_size=4)
     bench = BenchConfig(concurrencies=[1, 2, 4], num_requests=4, max_new_tokens=8, temperatures=[1.0])
@@ -223,8 +223,8 @@ def test_load_sweep_completes_every_request(serve, micro_world, tmp_path, one_th
 def test_load_test_reads_the_servers_batch_steps(serve, speculation, one_thread):
     """/metrics counts the batch steps by mode with their seconds and tokens; the load test reports the share
     that drafted and each mode's ms per token, and the tokens the steps emitted are the completions'."""
-    from resispec.serving.config import BenchConfig
-    from resispec.serving.loadtest import run_load_test
+    from resispec.benchmark.config import BenchConfig
+    from resispec.benchmark.load import run_load_test
 
     url, _ = serve(max_batch_size=4, speculation=speculation)
     bench = BenchConfig(concurrency=3, num_requests=3, max_new_tokens=10, temperatures=[1.0])
@@ -238,9 +238,9 @@ def test_load_test_reads_the_servers_batch_steps(serve, speculation, one_thread)
 
 
 def test_in_process_comparison(pair, tmp_path, one_thread):
+    from resispec.benchmark.config import BenchConfig
+    from resispec.benchmark.inprocess import compare_in_process, serving_modes
     from resispec.decoding.config import DecodeConfig
-    from resispec.serving.config import BenchConfig
-    from resispec.serving.loadtest import compare_in_process, serving_modes
 
     target, draft, tok = pair
     modes = {k: v for k, v in serving_modes(4).items() if k in ("one-at-a-time AR", "batched adaptive")}

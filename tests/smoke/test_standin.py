@@ -109,7 +109,7 @@ def test_stage_scripts_one_by_one_on_the_llama3_standin(standin_built, standin_c
 
     bench = _run(
         [
-            "serve/bench.py",
+            "bench/speed.py",
             *_standin("llama3", standin_cache, tmp_path / "bench"),
             *SHORT_BENCH,
             f"+bench.drafts={{distilled: '{out / 'draft'}'}}",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from resispec.benchmark.load import LoadTestError
 from resispec.data import DataNotFoundError
 from resispec.errors import EXIT_USER_ERROR, UserError, exit_on_user_error
 from resispec.models import ModelNotFoundError, TokenizerMismatchError
-from resispec.serving.loadtest import LoadTestError
 from resispec.training import DistillConfigError, EmptyDatasetError
 
 

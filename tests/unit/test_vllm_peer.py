@@ -6,14 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resispec.serving.vllm_peer import (
-    counters_to_stats,
-    distribution_check,
-    parse_spec_metrics,
-    server_command,
-    spec_config,
-    vllm_ks,
-)
+from resispec.benchmark.config import BenchConfig
+from resispec.benchmark.vllm_peer import counters_to_stats, distribution_check, vllm_ks
+from resispec.vllm_venv import parse_spec_metrics, server_command, spec_config
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -68,7 +63,6 @@ def test_spec_config_and_command():
 
 
 def test_vllm_ks():
-    from resispec.serving.config import BenchConfig
 
     assert vllm_ks(BenchConfig(trees=[[1, 1, 1, 1], [4, 2, 1, 1]])) == [4]
     assert vllm_ks(BenchConfig(trees=[[4, 2]])) == [2]
@@ -123,7 +117,7 @@ def test_distribution_check_flags_off_distribution():
 
 @pytest.fixture(scope="module")
 def vllm_available():
-    from resispec.serving.vllm_peer import vllm_version
+    from resispec.vllm_venv import vllm_version
 
     version = vllm_version()
     if version is None:
@@ -136,11 +130,10 @@ def test_bench_with_vllm_rows(micro_world, vllm_available, tmp_path):
     """T = 0: vLLM AR and vLLM + draft (greedy drafting, k = 2) equal our greedy tokens; tau from vLLM's counters."""
     from transformers import AutoTokenizer
 
+    from resispec.benchmark.speed import run_bench
     from resispec.decoding.config import DecodeConfig
     from resispec.models import SizeConfig, make_llama
     from resispec.models.config import ModelConfig
-    from resispec.serving.bench import run_bench
-    from resispec.serving.config import BenchConfig
 
     world, paths = micro_world
     tok = AutoTokenizer.from_pretrained(paths.target_dir)
@@ -232,7 +225,7 @@ def test_fix_55005_expands_in_place_for_floats():
     import importlib.util
     import sys
 
-    from resispec.serving.vllm_peer import FIX_DIR
+    from resispec.vllm_venv import FIX_DIR
 
     spec = importlib.util.spec_from_file_location("resispec_fix_55005", FIX_DIR / "sitecustomize.py")
     mod = importlib.util.module_from_spec(spec)

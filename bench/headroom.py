@@ -1,7 +1,7 @@
-"""Headroom report:  python serve/headroom.py [+recipe=NAME] [headroom.key=value ...]
+"""Headroom report:  python bench/headroom.py [+recipe=NAME] [headroom.key=value ...]
 
-  python serve/headroom.py +recipe=debug                                   # the micro pair, a minute or two
-  python serve/headroom.py +recipe=tiny headroom.positions=200 headroom.calibration_positions=100
+  python bench/headroom.py +recipe=debug                                   # the micro pair, a minute or two
+  python bench/headroom.py +recipe=tiny headroom.positions=200 headroom.calibration_positions=100
 
 Per-node α of every rule against the bounds, and a calibrated resispec_auto policy (resispec/analysis/headroom.py).
 Outputs go to headroom.output_dir, else the Hydra run folder (outputs/headroom/<name>/<time>/).
@@ -26,7 +26,7 @@ def main(cfg: DictConfig) -> None:
     c = to_typed(cfg)
     hc = HydraConfig.get()
     out_dir = c.headroom.output_dir or hc.runtime.output_dir
-    command = " ".join(["python serve/headroom.py", *hc.overrides.task])
+    command = " ".join(["python bench/headroom.py", *hc.overrides.task])
     run(c.headroom, c.target, c.draft, c.world, out_dir, command)
 
 

@@ -1,6 +1,6 @@
 """vLLM's offline LLM on token-id prompts: a standalone script run by the ISOLATED venv's python (never imported by
 resispec; it imports only vLLM and the standard library). `resispec.data.regen` writes a request JSON, runs
-`<venv python> vllm_offline.py request.json result.json` and reads the result.
+`<venv python> offline_worker.py request.json result.json` and reads the result.
 
 request: {model, dtype, prompts: [[ids]], max_new_tokens, temperature, top_p, top_k, seed, eos_token_id,
           engine_args (more LLM(...) arguments)}

@@ -1,0 +1,433 @@
+"""The end-to-end benchmark: AR vs each rule x tree shape (per draft), and HF assisted generation, same prompts.
+
+Every method runs on the same held-out prompts with the same per-prompt seeds, after untimed warm-up. A row reports
+tokens/s (generated tokens / wall-clock seconds summed over prompts), tau, per-depth acceptance, c (mean draft
+forward time / mean target forward time) and the speedup over the AR row of the same temperature and run.
+
+`run_bench(...)` (typed configs, used by `bench/speed.py` and the pipeline) loads what it needs and returns the
+rows; `bench_pair(...)` measures already-loaded models; `report.write_report(...)` writes report.md, report.json and
+speedup.png. This is the one speed harness: tau and c come from DecodeStats. `bench.random_pair=true` times a
+random-weight pair shaped like the tiny world instead (no built world needed; speed only).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from resispec.benchmark import vllm_peer
+from resispec.benchmark.config import BenchConfig
+from resispec.benchmark.report import best_lines, log_wandb, print_table, write_report
+from resispec.benchmark.results import BenchRow, Method, sum_stats, tree_str
+from resispec.data.prompts import load_heldout_prompts
+from resispec.decoding import DecodeStats, SpeculativeDecoder
+from resispec.decoding.config import DecodeConfig
+from resispec.decoding.planner import CostModel, Planner
+from resispec.models import load_pair
+from resispec.models.config import ModelConfig
+from resispec.models.head import is_head
+from resispec.models.loading import check_same_tokenizer, load_drafter, load_tokenizer, resolve_device
+from resispec.verify import build_rule
+
+log = logging.getLogger(__name__)
+
+
+def _seeded(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _decoder_method(row: BenchRow, fn, device, sampling: dict) -> Method:
+    def run(p: list[int], seed: int, max_new_tokens: int):
+        ids = torch.tensor([p], device=device)  # [1, L]
+        out = fn(ids, generator=_seeded(seed, device), **{**sampling, "max_new_tokens": max_new_tokens})
+        return out.sequences.shape[1] - len(p), out.stats
+
+    return Method(row, run)
+
+
+def _hf_method(row: BenchRow, target, draft, device, sampling: dict, k: int, pad_id) -> Method:
+    """HF `generate(assistant_model=draft)` drafting a constant chain of k tokens.
+
+    transformers reads the drafting settings from the ASSISTANT's generation_config (not from generate kwargs), so
+    they are set there for the call and restored after; the confidence cut-off is off, so every step drafts k."""
+    temperature = sampling["temperature"]
+    kwargs: dict[str, Any] = dict(
+        assistant_model=draft,
+        do_sample=temperature > 0,
+        pad_token_id=pad_id,
+        eos_token_id=sampling["eos_token_id"],
+    )
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_p=sampling["top_p"], top_k=sampling["top_k"])
+    drafting = dict(
+        num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0
+    )
+
+    def run(p: list[int], seed: int, max_new_tokens: int):
+        gc = draft.generation_config
+        saved = {name: getattr(gc, name, None) for name in drafting}
+        for name, value in drafting.items():
+            setattr(gc, name, value)
+        try:
+            torch.manual_seed(seed)
+            ids = torch.tensor([p], device=device)  # [1, L]
+            out = target.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs
+            )
+        finally:
+            for name, value in saved.items():
+                setattr(gc, name, value)
+        return out.shape[1] - len(p), None
+
+    return Method(row, run)
+
+
+def hf_chain_lengths(bench: BenchConfig) -> list[int]:
+    """Chain lengths tried for HF assisted generation (the best is the fair peer)."""
+    if bench.hf_num_assistant_tokens:
+        return sorted(set(bench.hf_num_assistant_tokens))
+    return sorted({len(t) for t in bench.trees})
+
+
+def _methods(
+    target,
+    drafts: dict[str, Any],
+    tokenizer,
+    bench: BenchConfig,
+    decode: DecodeConfig,
+    temperature: float,
+    sampling: dict,
+    plan: Planner | None = None,
+) -> list[Method]:
+    """AR first (the baseline), then every (draft, rule, tree), the planner's tree per rule in bench.plan_rules,
+    then HF assisted per draft and chain length."""
+
+    device = next(target.parameters()).device
+    first_draft = next(iter(drafts.values()))
+    fast = decode.fast_forward
+    ar_dec = SpeculativeDecoder(
+        target, first_draft, rule="chain", tree=[1], tokenizer=tokenizer, fast_forward=fast
+    )
+    out = [_decoder_method(BenchRow("ar", temperature), ar_dec.generate_autoregressive, device, sampling)]
+    if bench.reference_step:  # the reference decoder's own baseline: AR on the HF forward
+        ar_ref = SpeculativeDecoder(
+            target, first_draft, rule="chain", tree=[1], tokenizer=tokenizer, fast_forward=False
+        )
+        row = BenchRow("ar_ref", temperature, tree="HF forward")
+        out.append(_decoder_method(row, ar_ref.generate_autoregressive, device, sampling))
+    for label, draft in drafts.items():
+        for rule in bench.draft_rules.get(label, bench.rules):
+            for tree in bench.trees:
+                dec = SpeculativeDecoder(
+                    target,
+                    draft,
+                    rule=build_rule(rule, decode.auto_policy),
+                    tree=tree,
+                    tokenizer=tokenizer,
+                    compile=decode.compile,
+                    fast_forward=fast,
+                )
+                row = BenchRow("spec", temperature, draft=label, rule=rule, tree=tree_str(tree))
+                out.append(_decoder_method(row, dec.generate, device, sampling))
+                if bench.reference_step:
+                    ref = SpeculativeDecoder(  # the step on the HF forward (the reference step: tests/oracle_decoder.py)
+                        target,
+                        draft,
+                        rule=dec.rule,
+                        tree=tree,
+                        tokenizer=tokenizer,
+                        fast_forward=False,
+                    )
+                    row = BenchRow("spec", temperature, draft=label, rule=rule, tree="ref" + tree_str(tree))
+                    out.append(_decoder_method(row, ref.generate, device, sampling))
+        # the planner's cost model times a causal LM's forwards: a draft head is not planned yet
+        for rule in bench.plan_rules if plan is not None and not is_head(draft) else ():
+            chosen = plan.choose(draft, rule, sampling, decode.auto_policy)
+            log.info("T=%g %s %s: %s (alpha %s)", temperature, label, rule, chosen.describe(), chosen.alpha)
+            print(f"planner T={temperature:g} {label} {rule}: {chosen.describe()}")
+            dec = SpeculativeDecoder(
+                target,
+                draft,
+                rule=build_rule(rule, decode.auto_policy),
+                tree=chosen.tree,
+                tokenizer=tokenizer,
+                compile=decode.compile,
+                fast_forward=fast,
+            )
+            row = BenchRow("spec", temperature, draft=label, rule=rule, tree="auto" + tree_str(chosen.tree))
+            row.stats["plan"] = chosen.as_dict()
+            out.append(_decoder_method(row, dec.generate, device, sampling))
+        if bench.hf_assisted and not is_head(draft):  # HF assisted generation takes a causal LM
+            for k in hf_chain_lengths(bench):
+                row = BenchRow("hf_assisted", temperature, draft=label, rule="hf", tree=f"chain {k}")
+                out.append(_hf_method(row, target, draft, device, sampling, k, tokenizer.pad_token_id))
+    if bench.vllm:  # vLLM peer rows, interleaved with ours
+        out += vllm_peer.bench_methods(target, drafts, tokenizer, bench, temperature, sampling)
+    return out
+
+
+def time_methods(
+    methods: list[Method], prompts: list[list[int]], bench: BenchConfig, temperature: float, device, bar
+) -> None:
+    """Untimed short warm-up of every method, then every prompt through every method in turn (the same seed for
+    every method), adding each call's seconds, tokens and DecodeStats to its Method."""
+    for m in methods:  # warm-up: untimed, short
+        for w in range(bench.warmup):
+            bar.set_postfix_str(f"T={temperature:g} warm-up {m.row.label}")
+            m.run(prompts[w % len(prompts)], bench.seed + 10_000 + w, 8)
+            bar.update()
+    for i, p in enumerate(prompts):
+        for m in methods:
+            bar.set_postfix_str(f"T={temperature:g} prompt {i + 1}/{len(prompts)} {m.row.label}")
+            _sync(device)
+            t0 = time.perf_counter()
+            num, stats = m.run(p, bench.seed + i, bench.max_new_tokens)  # same seed for every method
+            _sync(device)
+            m.seconds += time.perf_counter() - t0
+            m.tokens += num
+            if stats is not None:
+                m.stats.append(stats)
+            bar.update()
+
+
+def fill_rows(
+    methods: list[Method], num_prompts: int, drafts: dict[str, Any], plan: Planner | None
+) -> list[BenchRow]:
+    """The timed methods' rows: tokens/s, speedup over the first method (AR), the summed counters (tau, per-depth
+    acceptance, c) and each speculative row's per-step breakdown."""
+    ar_tps = methods[0].tokens / methods[0].seconds
+    rows = []
+    for m in methods:
+        r = m.row
+        r.num_prompts, r.num_tokens, r.seconds = num_prompts, m.tokens, m.seconds
+        r.tokens_per_second = m.tokens / m.seconds
+        r.speedup = r.tokens_per_second / ar_tps
+        if m.stats:
+            total_stats = sum_stats(m.stats)
+            r.stats = {**r.stats, **total_stats.as_dict()}  # keeps the plan of a tree=auto row
+            r.tau = total_stats.tau
+            r.tau_stderr = total_stats.tau_stderr
+            if r.method == "spec":
+                r.per_depth_acceptance = total_stats.per_depth_acceptance
+                r.c = total_stats.c
+                head = is_head(drafts[r.draft])  # not in the planner's cost model (a causal LM's)
+                cost = plan.cost_for(drafts[r.draft]) if plan is not None and not head else None
+                r.stats["breakdown"] = step_breakdown(total_stats, 1e3 / ar_tps, cost, r.tree)
+        rows.append(r)
+    return rows
+
+
+def bench_pair(
+    target,
+    drafts: dict[str, Any],
+    tokenizer,
+    prompts: list[list[int]],
+    bench: BenchConfig,
+    decode: DecodeConfig,
+    progress: bool = True,
+    calibration: list[list[int]] | None = None,
+) -> list[BenchRow]:
+    """Measure AR, every (draft, rule, tree), the planned trees and HF assisted generation on `prompts` at each
+    temperature. `calibration`: prompts for the planner (default: the bench prompts themselves).
+
+    Methods are interleaved per prompt (prompt 1: every method, prompt 2: every method, ...), so a slow phase of
+    a shared machine hits all methods alike and the speedups stay comparable."""
+    if not prompts:
+        raise ValueError("bench needs at least one prompt")
+    device = next(target.parameters()).device
+    eos = getattr(target.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    rows: list[BenchRow] = []
+    bar = None
+    plan = Planner(target, calibration or prompts) if bench.plan_rules else None
+    for temperature in bench.temperatures:
+        sampling = dict(
+            max_new_tokens=bench.max_new_tokens,
+            temperature=temperature,
+            top_p=decode.top_p,
+            top_k=decode.top_k,
+            eos_token_id=eos,
+        )
+        methods = _methods(target, drafts, tokenizer, bench, decode, temperature, sampling, plan)
+        if bar is None:
+            total = len(methods) * (len(prompts) + bench.warmup) * len(bench.temperatures)
+            bar = tqdm(total=total, desc="bench", disable=not progress, unit="gen")
+        time_methods(methods, prompts, bench, temperature, device, bar)
+        rows += fill_rows(methods, len(prompts), drafts, plan)
+        if bench.vllm:
+            vllm_peer.finish(methods, bench)
+    if bar is not None:
+        bar.close()
+    if plan is not None and rows:  # the measured cost model travels with the AR row into report.json
+        rows[0].stats["cost_model"] = {
+            label: {"target_ms": c.target_ms, "draft_ms": c.draft_ms}
+            for label, c in plan.costs({k: d for k, d in drafts.items() if not is_head(d)}).items()
+        }
+        rows[0].stats["planner_init_s"] = plan.init_s
+    return rows
+
+
+def step_breakdown(
+    stats: DecodeStats, ar_token_ms: float, cost: CostModel | None = None, tree: str = ""
+) -> dict:
+    """Per-step milliseconds of a speculative row, all measured inside the steps of this run: the draft forwards,
+    the rest of the draft phase (drafting: sampling the candidates, tree masks), the target forward (the verify
+    phase), the accept walk, and the rest (cache compaction, bookkeeping). Host overhead = everything that is not
+    a model forward, as a fraction of one AR token's time measured in the same run (a shared machine's speed
+    drifts by tens of percent within minutes, so the yardstick is measured alongside) and of the row's own target
+    forward (the decoder-speed issue's "one target forward").
+    With `cost`, also the cost model's prediction of the two models' forward time for `tree`."""
+    steps = max(stats.num_drafts, 1)
+    step, draft, draft_fwd, target, accept = (
+        1e3 * x / steps
+        for x in (
+            stats.total_seconds,
+            stats.draft_seconds,
+            stats.draft_forward_seconds,
+            stats.target_seconds,
+            stats.accept_seconds,
+        )
+    )
+    overhead = step - draft_fwd - target
+    out = {
+        "step_ms": step,
+        "draft_forward_ms": draft_fwd,
+        "drafting_ms": draft - draft_fwd,
+        "target_ms": target,
+        "accept_ms": accept,
+        "other_ms": step - draft - target - accept,
+        "mean_nodes": 1 + stats.num_draft_tokens / steps,
+        "overhead_ms": overhead,
+        "ar_token_ms": ar_token_ms,
+        "overhead_frac_of_ar_token": overhead / ar_token_ms,
+        "overhead_frac_of_target": overhead / target if target > 0 else None,
+    }
+    if cost is not None and "[" in tree:
+        shape = [
+            int(b) for b in tree[tree.index("[") :].strip("[]").split(",")
+        ]  # "[..]", "auto[..]", "ref[..]"
+        out["predicted_forward_ms"] = CostModel(cost.target_ms, cost.draft_ms).step_ms(shape)
+    return out
+
+
+# a random-weight pair shaped like the tiny world (conf/world/tiny.yaml): vocab, widths, depths, heads
+RANDOM_VOCAB = 8192
+RANDOM_TARGET = dict(hidden=256, layers=12, heads=4)
+RANDOM_DRAFT = dict(hidden=96, layers=1, heads=2)
+RANDOM_PROMPT_LEN = 32
+
+
+def random_pair(device: str | torch.device, seed: int = 0):
+    """(target, draft, tokenizer stand-in): random Llamas shaped like the tiny world, no built world needed. For
+    timing only: their tau says nothing about a trained pair."""
+
+    def make(hidden: int, layers: int, heads: int, seed: int) -> LlamaForCausalLM:
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(
+            vocab_size=RANDOM_VOCAB,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+        return LlamaForCausalLM(cfg).to(device).eval()
+
+    target, draft = make(**RANDOM_TARGET, seed=seed), make(**RANDOM_DRAFT, seed=seed + 1)
+    tokenizer = SimpleNamespace(eos_token_id=target.config.eos_token_id, pad_token_id=0)
+    return target, draft, tokenizer
+
+
+def random_prompts(num_prompts: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, RANDOM_VOCAB, (num_prompts, RANDOM_PROMPT_LEN), generator=gen).tolist()
+
+
+def run_bench(
+    bench: BenchConfig,
+    decode: DecodeConfig,
+    target_cfg,
+    draft_cfg,
+    world=None,
+    data=None,
+    logger=None,
+    output_dir: str | Path | None = None,
+    run_name: str = "bench",
+    prompts: list[list[int]] | None = None,
+    progress: bool = True,
+    show: bool = True,
+) -> list[BenchRow]:
+    """Load the pair (and any `bench.drafts`), measure every method, write the report, print the table, log W&B.
+
+    prompts: token id lists; default: `bench.num_prompts` held-out prompts of `data` (split `test`).
+    output_dir: default `bench.output_dir`; one of them must be set.
+    bench.random_pair: time a random pair shaped like the tiny world instead (random prompts; no world, no data).
+    """
+
+    out_dir = output_dir or bench.output_dir
+    if out_dir is None:
+        raise ValueError("run_bench needs output_dir (or bench.output_dir)")
+    if bench.random_pair:
+        target, draft, tokenizer = random_pair(resolve_device(target_cfg.device), bench.seed)
+        prompts = prompts or random_prompts(bench.num_prompts, bench.seed)
+    else:
+        target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
+    drafts = {bench.draft_label: draft}
+    for label, path in bench.drafts.items() if not bench.random_pair else ():
+        if path == draft_cfg.path:
+            drafts = {label if k == bench.draft_label else k: v for k, v in drafts.items()}
+            continue
+        extra_cfg = ModelConfig(path=path, dtype=draft_cfg.dtype, device=draft_cfg.device)
+        check_same_tokenizer(tokenizer, load_tokenizer(extra_cfg, world), ("target", f"draft {label!r}"))
+        drafts[label] = load_drafter(extra_cfg, target, world)  # a draft head or a causal LM
+    if prompts is None:
+        if data is None:
+            raise ValueError("run_bench needs prompts or a data config")
+        prompts = load_heldout_prompts(data, tokenizer, world, bench.num_prompts)
+    prompts = prompts[: bench.num_prompts]
+    calibration = None  # the planner calibrates on validation prompts, never on the prompts it is measured on
+    if bench.plan_rules and not bench.random_pair and data is not None and bench.plan_calibration_prompts > 0:
+        calibration = load_heldout_prompts(
+            data, tokenizer, world, bench.plan_calibration_prompts, split="eval"
+        )
+    rows = bench_pair(
+        target, drafts, tokenizer, prompts, bench, decode, progress=progress, calibration=calibration
+    )
+    device = next(target.parameters()).device
+    meta = {
+        "run": run_name,
+        "target": "random (tiny-world shape)" if bench.random_pair else target_cfg.path,
+        "drafts": {k: (draft_cfg.path if v is draft else bench.drafts.get(k)) for k, v in drafts.items()},
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
+        "num_prompts": len(prompts),
+        "max_new_tokens": bench.max_new_tokens,
+        "top_p": decode.top_p,
+        "top_k": decode.top_k,
+        "warmup": bench.warmup,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    paths = write_report(rows, out_dir, meta)
+    if show:
+        print_table(rows, title=f"resispec bench: {run_name} ({meta['device']})")
+        print("\n".join(best_lines(rows)))
+        print(f"report: {paths['md']}")
+    if logger is not None:
+        log_wandb(rows, logger, Path(out_dir), run_name, meta)
+    return rows
