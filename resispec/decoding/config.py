@@ -18,7 +18,7 @@ class DecodeConfig:
     # resispec_auto's policy: a JSON path (bench/headroom.py writes auto_policy.json) or inline AutoPolicy fields,
     # e.g. decode.auto_policy={threshold: 0.2, distinct_rule: rsd}; null = the default policy
     auto_policy: Any = None
-    # branching per depth ([1]*k is a chain), or "auto": the tree planner (resispec/decoding/planner.py) measures
+    # branching per depth ([1]*k is a chain), or "auto": the tree planner (resispec/decoding/planner/) measures
     # this device and pair at start-up and picks the tree of most tokens per second (serving); training and
     # evaluation, which run before a trained draft exists to plan with, then use DEFAULT_TREE
     tree: Any = field(default_factory=lambda: list(DEFAULT_TREE))

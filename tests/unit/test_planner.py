@@ -1,4 +1,4 @@
-"""The tree planner (resispec/decoding/planner.py) and decode.tree=auto.
+"""The tree planner (resispec/decoding/planner/) and decode.tree=auto.
 
 The model is checked on costs and acceptances we choose, where the best tree is known by hand: a flat-cost
 device (a GPU: the target costs the same for 1 or 32 nodes) with good acceptance wants a wide tree, a device whose
@@ -290,7 +290,7 @@ def test_the_product_models_favourite_that_decodes_slower_loses_to_the_chain():
 def test_batch_one_plan_is_decoded_and_the_chain_wins_in_the_planner(micro_pair, monkeypatch):
     """Planner.choose decodes the candidates for real (here planted: the model's first tree slower than its chain),
     the best chain always among them, AR alongside, and keeps the chain."""
-    from resispec.decoding import planner as planner_mod
+    from resispec.decoding.planner import core as planner_mod
 
     calls = []
     monkeypatch.setattr(
@@ -304,7 +304,7 @@ def test_batch_one_plan_is_decoded_and_the_chain_wins_in_the_planner(micro_pair,
         tps = 100.0 if tree is None else 150.0 if set(tree) == {1} else 140.0
         return Decoded(48, 20, 28, 48 / tps)
 
-    monkeypatch.setattr(planner_mod._CalibrationDecodes, "__call__", fake_call)
+    monkeypatch.setattr(planner_mod.CalibrationDecodes, "__call__", fake_call)
     target, draft = micro_pair
     with single_thread():
         planner = Planner(target, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]], continuation_tokens=8)
@@ -321,13 +321,13 @@ def test_settling_work_is_bounded(micro_pair, monkeypatch):
     the best chain, AR), each one warm-up of 8 tokens and one decode of SETTLE_TOKENS per round, and at most
     SETTLE_PROMPTS rounds however many calibration prompts; at a batched size where speculation is planned, at most
     (BATCH_SETTLE_MOST + 2) x BATCH_SETTLE_ROUNDS decodes of BATCH_SETTLE_STEPS + 1 steps each."""
-    from resispec.decoding import planner as planner_mod
     from resispec.decoding.batch import BatchedSpeculativeDecoder
+    from resispec.decoding.planner import core as planner_mod
 
     runs, steps = [], []
-    real_run = planner_mod._CalibrationDecodes._run
+    real_run = planner_mod.CalibrationDecodes._run
     monkeypatch.setattr(
-        planner_mod._CalibrationDecodes,
+        planner_mod.CalibrationDecodes,
         "_run",
         lambda self, key, ids, seed, n: runs.append((key, n)) or real_run(self, key, ids, seed, n),
     )
@@ -364,19 +364,19 @@ def test_settling_work_is_bounded(micro_pair, monkeypatch):
 def test_calibration_decodes_are_seeded_alike_and_real(micro_pair):
     """The settling decodes at batch 1 and at 3 rows: a round's draws are the same for every call (so candidates
     differ by their trees, not their luck), AR's tau is 1, and a speculative tree accepts some tokens."""
-    from resispec.decoding import planner as planner_mod
+    from resispec.decoding.planner import core as planner_mod
     from resispec.verify import build_rule
 
     target, draft = micro_pair
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11]]
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     with single_thread():
-        one = planner_mod._CalibrationDecodes(target, draft, build_rule("resispec"), prompts, sampling, 16)
+        one = planner_mod.CalibrationDecodes(target, draft, build_rule("resispec"), prompts, sampling, 16)
         a, b = one([2, 1], 1), one([2, 1], 1)
         assert (a.tokens, a.steps, a.accepted) == (b.tokens, b.steps, b.accepted) and a.tokens == 16
         ar = one(None, 0)
         assert ar.tokens == 16 and ar.tau == 1.0 and ar.seconds > 0
-        rows = planner_mod._BatchedCalibrationDecodes(
+        rows = planner_mod.BatchedCalibrationDecodes(
             target, draft, build_rule("resispec"), prompts, sampling, rows=3, steps=4
         )
         c, d = rows([2, 1], 0), rows([2, 1], 0)
@@ -387,7 +387,7 @@ def test_calibration_decodes_are_seeded_alike_and_real(micro_pair):
 def test_planner_calibrates_the_rule_it_decodes_with(micro_pair, monkeypatch, fake_settling):
     """The calibration scores the rule the decoder runs: resispec_auto built with the given policy, not the
     registry's default one."""
-    from resispec.decoding import planner as planner_mod
+    from resispec.decoding.planner import core as planner_mod
     from resispec.verify import VERIFIERS
 
     rules = []
@@ -414,11 +414,11 @@ def test_planner_calibrates_the_rule_it_decodes_with(micro_pair, monkeypatch, fa
 @pytest.fixture
 def fake_settling(monkeypatch):
     """The settling decodes (batch 1 and batched) replaced by a flat fake, for tests about something else."""
-    from resispec.decoding import planner as planner_mod
+    from resispec.decoding.planner import core as planner_mod
 
     fake = lambda self, tree, rnd: Decoded(48, 24, 24, 0.1)  # noqa: E731
-    monkeypatch.setattr(planner_mod._CalibrationDecodes, "__call__", fake)
-    monkeypatch.setattr(planner_mod._BatchedCalibrationDecodes, "__call__", fake)
+    monkeypatch.setattr(planner_mod.CalibrationDecodes, "__call__", fake)
+    monkeypatch.setattr(planner_mod.BatchedCalibrationDecodes, "__call__", fake)
 
 
 @pytest.fixture(scope="module")
@@ -510,7 +510,7 @@ def test_planner_by_batch_size_measures_each_size(micro_pair, fake_settling):
 def test_planner_times_each_batch_size_on_its_threads(micro_pair, monkeypatch, fake_settling):
     """threads_at (the server's threads_by_rows): each size's forward tables and overhead are timed on the threads
     that size will decode on, and torch's setting is restored afterwards."""
-    from resispec.decoding import planner as planner_mod
+    from resispec.decoding.planner import core as planner_mod
 
     seen = []
     real_table = planner_mod.forward_table
@@ -535,9 +535,9 @@ def test_batch_overhead_is_measured_at_the_batch_size(micro_pair, monkeypatch):
     With forwards predicted free the whole step is overhead; with forwards predicted enormous, none is. (The speed
     drift correction is held at 1: scaled to a table of 1e6 ms a forward, a loaded machine's step looked
     enormous too; test_overhead_is_scaled_to_the_speed_of_the_tables checks it.)"""
-    from resispec.decoding import planner as planner_mod
+    from resispec.decoding.planner import cost as planner_mod
 
-    monkeypatch.setattr(planner_mod, "_drift", lambda cost, references: 1.0)
+    monkeypatch.setattr(planner_mod, "drift", lambda cost, references: 1.0)
     target, draft = micro_pair
     prompt = [1, 2, 3, 4, 5]
     with single_thread():
@@ -567,7 +567,7 @@ def test_batch_overhead_is_split_into_per_step_and_per_node(micro_pair, monkeypa
     planner times the one-node chain and OVERHEAD_TREE and charges each candidate its share, so a chain is not
     billed for the wide tree's overhead (one figure from (2, 2, 1), charged to all, planned "no speculation" at
     every batch size > 1 on the tiny world)."""
-    from resispec.decoding import planner as planner_mod
+    from resispec.decoding.planner import core as planner_mod
 
     seen = []
 
@@ -596,12 +596,12 @@ def test_batch_overhead_is_split_into_per_step_and_per_node(micro_pair, monkeypa
 def test_overhead_is_scaled_to_the_speed_of_the_tables(micro_pair, monkeypatch):
     """A step timed while the machine runs at half the speed the forward tables were measured at counts at the
     tables' speed: the one-token target forward timed between the steps gives the factor."""
-    from resispec.decoding import planner as planner_mod
+    from resispec.decoding.planner import cost as planner_mod
 
     cost = CostModel({1: 10.0}, {1: 1.0})
-    assert planner_mod._drift(cost, [0.020, 0.021, 0.019]) == pytest.approx(0.5)
-    assert planner_mod._drift(cost, []) == 1.0
-    assert planner_mod._drift(CostModel({1: 0.0}, {1: 0.0}), [0.02]) == 1.0
+    assert planner_mod.drift(cost, [0.020, 0.021, 0.019]) == pytest.approx(0.5)
+    assert planner_mod.drift(cost, []) == 1.0
+    assert planner_mod.drift(CostModel({1: 0.0}, {1: 0.0}), [0.02]) == 1.0
     target, draft = micro_pair
     prompt = [1, 2, 3, 4, 5]
     tiny = CostModel({n: 1e-6 for n in NODES}, {n: 1e-6 for n in NODES})  # forwards predicted ~free
@@ -619,7 +619,7 @@ def test_overhead_leaves_out_the_prefill(micro_pair, monkeypatch):
     decoder whose first chunk takes 300 ms and every later step 10 ms measures 10 ms a step, not ~40. (On a clock
     the fake steps advance: slept, a loaded machine's oversleeping failed the test.)"""
     from resispec.decoding import SpeculativeDecoder
-    from resispec.decoding import planner as planner_mod
+    from resispec.decoding.planner import cost as planner_mod
     from resispec.decoding.planner import measure_overhead
     from resispec.decoding.stats import DecodeStats
 

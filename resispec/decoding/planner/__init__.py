@@ -1,0 +1,108 @@
+"""The tree planner: pick the draft tree that maximises expected tokens per second on THIS device and pair.
+
+    cost = measure_costs(target, draft)                       # ms per forward vs tokens fed, this device
+    alpha = calibrate_alpha(target, draft, prompts, rule, settings)   # per-node acceptance vs number of draws
+    plan = plan_tree(cost, alpha)                             # Plan(tree, tau, speedup, ...)
+
+Model (Sequoia's idea restricted to per-depth branching): a tree [b_1, ..., b_D] accepts depth d with probability
+prod_{j <= d} alpha(b_j), so the expected accepted length is tau = 1 + sum_d prod_{j <= d} alpha(b_j); one step
+costs the draft forwards (depth 0 feeds one token, depth d < D feeds the b_1 ... b_d nodes of level d), the target
+forward over all 1 + sum_d prod_{j <= d} b_j nodes, and a measured host overhead (per step; with many rows, per
+tree node too). Speedup = tau / step time, over the AR cost of one target token. A chain is one candidate among
+the others: where chains pay more, the planner returns a chain. alpha is measured per number of draws at held-out
+positions of the target's own continuations (closed form where the rule has one, else Monte Carlo through the
+rule's propose/verify).
+
+The model only shortlists: its tau multiplies per-depth acceptances as if depths were independent, which is
+optimistic at T > 0 for any tree with a multi-draw level (the tiny world: [2,2,1] predicted tau 2.90, decoded
+2.53), and its step adds up parts that rank the top candidates, often within 1-2% of each other, wrongly. So the
+plans predicted within SETTLE_BAND of the best (at most SETTLE_MOST), and always the best-ranked plain chain of
+the same rule, are DECODED for real on the calibration prompts (settle_by_decoding): one generation per prompt
+each, the same seeded draws for every candidate, AR in the same rounds, ABBA order. Their tau and tokens per
+second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
+of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans
+speculation are settled the same way on a few real batched steps.
+
+Modules: cost (the cost model and its timings), acceptance (alpha and the product model's tau), search (candidate
+trees ranked by the models), settle (real decodes of the near-ties; a chain wins ties), core (Planner).
+"""
+
+from resispec.decoding.planner.acceptance import calibrate_alpha, expected_tau, greedy_hits, node_logits
+from resispec.decoding.planner.core import Planner
+from resispec.decoding.planner.cost import (
+    BATCH_NODE_GRID,
+    NODE_GRID,
+    OVERHEAD_TREE,
+    CostModel,
+    ForwardProbe,
+    forward_table,
+    measure_batch_overhead,
+    measure_costs,
+    measure_overhead,
+    measure_step_ms,
+    measure_verify_ms,
+    measure_verify_row_ms,
+    monotone,
+)
+from resispec.decoding.planner.search import Plan, candidate_trees, plan_tree, rank_trees
+from resispec.decoding.planner.settle import (
+    BATCH_SETTLE_MOST,
+    BATCH_SETTLE_ROUNDS,
+    BATCH_SETTLE_STEPS,
+    SETTLE_BAND,
+    SETTLE_MOST,
+    SETTLE_PROMPTS,
+    SETTLE_SEED,
+    SETTLE_TOKENS,
+    TIE_MARGIN,
+    TIE_Z,
+    BatchedCalibrationDecodes,
+    CalibrationDecodes,
+    Decoded,
+    pick_measured,
+    settle_by_decoding,
+    settle_candidates,
+    tie_margin,
+)
+
+__all__ = [
+    "BATCH_NODE_GRID",
+    "BATCH_SETTLE_MOST",
+    "BATCH_SETTLE_ROUNDS",
+    "BATCH_SETTLE_STEPS",
+    "BatchedCalibrationDecodes",
+    "CalibrationDecodes",
+    "CostModel",
+    "Decoded",
+    "ForwardProbe",
+    "NODE_GRID",
+    "OVERHEAD_TREE",
+    "Plan",
+    "Planner",
+    "SETTLE_BAND",
+    "SETTLE_MOST",
+    "SETTLE_PROMPTS",
+    "SETTLE_SEED",
+    "SETTLE_TOKENS",
+    "TIE_MARGIN",
+    "TIE_Z",
+    "calibrate_alpha",
+    "candidate_trees",
+    "expected_tau",
+    "forward_table",
+    "greedy_hits",
+    "measure_batch_overhead",
+    "measure_costs",
+    "measure_overhead",
+    "measure_step_ms",
+    "measure_verify_ms",
+    "measure_verify_row_ms",
+    "monotone",
+    "node_logits",
+    "pick_measured",
+    "plan_tree",
+    "rank_trees",
+    "settle_by_decoding",
+    "settle_candidates",
+    "tie_margin",
+]

@@ -1,0 +1,187 @@
+"""The Planner: one target on this device, its cost tables measured once, one calibration per (draft, rule,
+sampling); used by the bench (tree=auto rows) and the server (decode.tree=auto). See the package docstring."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+
+import torch
+
+from resispec.decoding.engine import SpeculativeDecoder
+from resispec.decoding.planner.acceptance import calibrate_alpha, node_logits
+from resispec.decoding.planner.cost import (
+    BATCH_NODE_GRID,
+    NODE_GRID,
+    OVERHEAD_TREE,
+    CostModel,
+    forward_table,
+    measure_batch_overhead,
+    measure_overhead,
+    measure_verify_ms,
+    measure_verify_row_ms,
+    monotone,
+)
+from resispec.decoding.planner.search import Plan, rank_trees
+from resispec.decoding.planner.settle import (
+    BATCH_SETTLE_MOST,
+    BATCH_SETTLE_ROUNDS,
+    SETTLE_PROMPTS,
+    BatchedCalibrationDecodes,
+    CalibrationDecodes,
+    settle_by_decoding,
+)
+from resispec.decoding.tree import max_tree_nodes
+from resispec.sampling import is_greedy, probs
+from resispec.verify import build_rule
+
+
+class Planner:
+    """Plans trees for one target on this device: the cost model measured once, the target's own continuations
+    of `prompts` generated once per sampling setting, one calibration per (draft, rule, sampling) asked for.
+    Used by the bench (tree=auto rows) and by the server (decode.tree=auto)."""
+
+    def __init__(
+        self, target: torch.nn.Module, prompts: Sequence[Sequence[int]], continuation_tokens: int = 32
+    ):
+        if not prompts:
+            raise ValueError("the planner needs at least one calibration prompt")
+        self.target, self.prompts = target, [list(p) for p in prompts]
+        self.continuation_tokens = continuation_tokens
+        self._ms: dict[tuple[int, int], dict[int, float]] = {}  # (id(model), batch) -> ms by tokens per row
+        t0 = time.perf_counter()
+        self._table(target, 1)  # the target's batch-1 costs now, before any calibration
+        self.init_s = time.perf_counter() - t0  # start-up spent here, before any plan
+        self._continuations: dict[tuple, list[list[int]]] = {}
+
+    def _table(self, model: torch.nn.Module, batch: int) -> dict[int, float]:
+        key = (id(model), batch)
+        if key not in self._ms:  # larger batches: a shorter grid and fewer rounds (start-up time)
+            nodes = NODE_GRID if batch == 1 else BATCH_NODE_GRID
+            between = None if model is self.target else self.target  # a draft: timed as in a decode step
+            table = forward_table(model, nodes, reps=7 if batch == 1 else 4, batch=batch, between=between)
+            self._ms[key] = monotone(table)
+        return self._ms[key]
+
+    def cost_for(self, draft: torch.nn.Module, batch: int = 1) -> CostModel:
+        """Target and `draft` forward times on this device with `batch` rows (each measured once)."""
+        return CostModel(self._table(self.target, batch), self._table(draft, batch))
+
+    def costs(self, drafts: dict) -> dict[str, CostModel]:
+        return {label: self.cost_for(d) for label, d in drafts.items()}
+
+    def _sequences(self, settings: dict) -> list[list[int]]:
+        key = tuple(sorted(settings.items()))
+        if key not in self._continuations:
+            dec = SpeculativeDecoder(self.target, self.target, rule="chain", tree=[1])
+            device = next(self.target.parameters()).device
+            seqs = []
+            for i, p in enumerate(self.prompts):
+                ids = torch.tensor([p], device=device)
+                gen = torch.Generator(device=device).manual_seed(10_000 + i)
+                out = dec.generate_autoregressive(
+                    ids, generator=gen, max_new_tokens=self.continuation_tokens, **settings
+                )
+                seqs.append(out.sequences[0].tolist())
+            self._continuations[key] = seqs
+        return self._continuations[key]
+
+    def choose(self, draft: torch.nn.Module, rule: str, sampling: dict, auto_policy=None) -> Plan:
+        """The planned tree of `rule` (a VERIFIERS key) for `draft` under `sampling` (temperature, top_k, top_p)."""
+        return self.choose_by_batch(draft, rule, sampling, (1,), auto_policy)[1]
+
+    def choose_by_batch(
+        self,
+        draft: torch.nn.Module,
+        rule: str,
+        sampling: dict,
+        batch_sizes: Sequence[int],
+        auto_policy=None,
+        threads_at=None,
+    ) -> dict[int, Plan]:
+        """The planned tree of `rule` for `draft` at each batch size (the batched decoder: every row drafts its
+        tree, one draft forward per depth and one target forward for all rows). The acceptance is per row, so
+        one calibration serves every size; the forward times are measured at each size, and the per-row host
+        work is measured at each size (measure_batch_overhead) and the verification scales with the rows. The model
+        ranks the candidates; batch 1, and every size where the model plans speculation, is then settled on real
+        decodes of the calibration prompts (settle_by_decoding: the near-ties and the best chain, AR alongside; a
+        chain wins ties), so those plans' tau and speedup are measured. A plan whose speedup is at most 1 says: at
+        this batch size, do not speculate. Each plan's startup_s: the seconds this call spent on it (the shared
+        calibration included). `threads_at` (batch size -> torch threads; None: torch's setting): each size is
+        timed on the threads it will decode on."""
+        initial_threads = torch.get_num_threads()
+        try:
+            return self._choose_by_batch(draft, rule, sampling, batch_sizes, auto_policy, threads_at)
+        finally:
+            torch.set_num_threads(initial_threads)
+
+    def _choose_by_batch(
+        self, draft, rule, sampling, batch_sizes, auto_policy, threads_at
+    ) -> dict[int, Plan]:
+
+        def on_threads_of(batch: int) -> None:
+            if threads_at is not None:
+                torch.set_num_threads(threads_at(batch))
+
+        t_start = time.perf_counter()
+        settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
+        on_threads_of(1)  # the verification timings below and the batch-1 forward table
+        cost = self.cost_for(draft)
+        # each prompt's nodes once: the calibration scores them, and the first prompt's time the verification
+        node_sets = [
+            (seq, len(p), node_logits(self.target, draft, [seq], len(p)))
+            for seq, p in zip(self._sequences(settings), self.prompts, strict=True)
+        ]
+        rule_obj = build_rule(rule, auto_policy)  # the rule the decoder runs (resispec_auto: with its policy)
+        alphas = [
+            calibrate_alpha(self.target, draft, [seq], rule_obj, settings, start=start, logits=logits)
+            for seq, start, logits in node_sets
+        ]
+        alpha = {n: sum(a[n] for a in alphas) / len(alphas) for n in alphas[0]}
+        if not is_greedy(settings.get("temperature", 1.0)):
+            vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
+            device = next(draft.parameters()).device
+            # timed on the calibration's own nodes (the first prompt's): the cost depends on the distributions
+            t_logits, d_logits = node_sets[0][2]
+            nodes = probs(t_logits, **settings), probs(d_logits, **settings)
+            cost.verify_ms = measure_verify_ms(rule_obj, vocab, max(alpha), device=device, nodes=nodes)
+            cost.verify_row_ms = measure_verify_row_ms(rule_obj, vocab, device=device, nodes=nodes)
+            # the first call of a step follows the target's forward: timed that way, its extra over a one-draw one
+            cold = measure_verify_ms(
+                rule_obj, vocab, max(alpha), device=device, nodes=nodes, between=self.target
+            )
+            base = cold[1] - cost.verify_ms[1]
+            cost.root_verify_extra_ms = {n: max(cold[n] - cost.verify_ms[n] - base, 0.0) for n in cold}
+        plans = {}
+        shared_s = time.perf_counter() - t_start  # the calibration and verification timings serve every size
+        for b in batch_sizes:
+            t_b = time.perf_counter()
+            on_threads_of(b)
+            at_b = self.cost_for(draft, b)
+            at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
+            at_b.verify_row_ms = cost.verify_row_ms * b
+            at_b.root_verify_extra_ms = dict(cost.root_verify_extra_ms)  # once a step (the first row's call)
+            at_b.chain_walk_in_overhead = b > 1 and getattr(rule_obj, "one_draw_is_standard", False)
+            # per step and per node: timed with the one-node chain and a wider tree
+            measure = measure_overhead if b == 1 else functools.partial(measure_batch_overhead, rows=b)
+            small, wide = (
+                measure(self.target, draft, rule_obj, self.prompts[0], settings, at_b, tree=tree, alpha=alpha)
+                for tree in ((1,), OVERHEAD_TREE)
+            )
+            at_b.overhead_per_node_ms = max(wide - small, 0.0) / (max_tree_nodes(list(OVERHEAD_TREE)) - 1)
+            at_b.overhead_ms = max(small - at_b.overhead_per_node_ms, 0.0)
+            ranked = rank_trees(at_b, alpha)
+            if b == 1:  # always settled on real decodes: the candidates and the best chain, AR alongside
+                decode = CalibrationDecodes(self.target, draft, rule_obj, self.prompts, settings)
+                rounds = max(2, min(SETTLE_PROMPTS, len(self.prompts)))
+                plans[b] = settle_by_decoding(ranked, decode, rounds)
+            elif ranked[0].speedup > 1.0:  # speculation planned at this size: settled on real batched steps
+                decode = BatchedCalibrationDecodes(
+                    self.target, draft, rule_obj, self.prompts, settings, rows=b
+                )
+                plans[b] = settle_by_decoding(ranked, decode, BATCH_SETTLE_ROUNDS, most=BATCH_SETTLE_MOST)
+            else:  # the model says do not speculate here: left to it (and to the scheduler's online model)
+                plans[b] = ranked[0]
+            plans[b].startup_s = shared_s + time.perf_counter() - t_b
+        return plans

@@ -1,0 +1,88 @@
+"""Candidate search: every per-depth branching within the node budget, ranked by the cost and acceptance models' predicted tokens per second (rank_trees). See the package docstring."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from resispec.decoding.planner.acceptance import expected_tau
+from resispec.decoding.planner.cost import CostModel
+from resispec.decoding.tree import max_tree_nodes
+
+
+@dataclass
+class Plan:
+    tree: list[int]
+    tau: float  # accepted length: predicted by the model, or measured on the calibration decodes (`measured`)
+    step_ms: float
+    tokens_per_s: float
+    speedup: float  # over AR of the same target on this device: predicted, or measured alongside (`measured`)
+    alpha: dict[int, float] = field(
+        default_factory=dict
+    )  # the calibrated per-node acceptance it was planned with
+    # tau, step, tokens per second and speedup measured on real decodes of the calibration prompts
+    # (settle_by_decoding), not predicted; the model's own figures stay in tau_model and speedup_model
+    measured: bool = False
+    tau_stderr: float | None = None  # of the measured tau, over its decode steps
+    tau_model: float | None = None
+    speedup_model: float | None = None
+    # every candidate decoded when this plan was settled: tree, tau_model, tau, speedup_model, speedup, tokens
+    candidates: list[dict] = field(default_factory=list)
+    startup_s: float = 0.0  # wall seconds of the planning call that chose it (Planner.choose_by_batch)
+
+    @property
+    def is_chain(self) -> bool:
+        return set(self.tree) <= {1}
+
+    def describe(self) -> str:
+        if not self.measured:
+            return (
+                f"tree={self.tree} predicted tau {self.tau:.2f}, step {self.step_ms:.1f} ms, "
+                f"{self.tokens_per_s:.0f} tok/s, speedup {self.speedup:.2f}x over AR"
+            )
+        decoded = ", ".join(f"{c['tree']} {c['speedup']:.2f}x" for c in self.candidates)
+        return (
+            f"tree={self.tree} measured on calibration: tau {self.tau:.2f} (model {self.tau_model:.2f}), "
+            f"step {self.step_ms:.1f} ms, speedup {self.speedup:.2f}x over AR (model {self.speedup_model:.2f}x); "
+            f"decoded {decoded}; start-up {self.startup_s:.1f} s"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def candidate_trees(max_nodes: int = 32, max_depth: int = 6, max_branch: int = 4) -> list[list[int]]:
+    """Per-depth branchings, non-increasing with depth, at most `max_nodes` nodes (chains included)."""
+    out = []
+    for depth in range(1, max_depth + 1):
+        for tree in itertools.product(range(1, max_branch + 1), repeat=depth):
+            if all(a >= b for a, b in itertools.pairwise(tree)) and max_tree_nodes(list(tree)) <= max_nodes:
+                out.append(list(tree))
+    return out
+
+
+def rank_trees(
+    cost: CostModel, alpha: dict[int, float], candidates: Sequence[Sequence[int]] | None = None
+) -> list[Plan]:
+    """Every candidate tree's plan, the highest predicted tokens per second first (module docstring); ties keep
+    the candidates' order (shallower and narrower first)."""
+    ar_tps = 1e3 / cost.target(1)
+    plans = []
+    usable = [t for t in (candidates or candidate_trees(max_branch=max(alpha))) if all(b in alpha for b in t)]
+    for tree in usable:
+        tau = expected_tau(tree, alpha)
+        ms = cost.step_ms(tree) + cost.verify_cost(tree, alpha)
+        tps = 1e3 * tau / ms
+        plans.append(Plan(list(tree), tau, ms, tps, tps / ar_tps, dict(alpha)))
+    plans.sort(key=lambda plan: -plan.tokens_per_s)
+    assert plans and math.isfinite(plans[0].tokens_per_s)
+    return plans
+
+
+def plan_tree(
+    cost: CostModel, alpha: dict[int, float], candidates: Sequence[Sequence[int]] | None = None
+) -> Plan:
+    """The candidate tree with the highest predicted tokens per second (module docstring; rank_trees)."""
+    return rank_trees(cost, alpha, candidates)[0]

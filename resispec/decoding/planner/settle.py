@@ -1,0 +1,243 @@
+"""Decode settling: the near-tied candidates and the best chain decoded for real on the calibration prompts
+(settle_by_decoding), a chain winning ties (pick_measured). See the package docstring."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from resispec.decoding.batch import BatchedSpeculativeDecoder
+from resispec.decoding.engine import SpeculativeDecoder
+from resispec.decoding.planner.cost import sync_device
+from resispec.decoding.planner.search import Plan
+from resispec.sampling import is_greedy
+
+# the plans predicted within SETTLE_BAND of the best (at most SETTLE_MOST) and the best-ranked chain are decoded on
+# the calibration prompts (settle_by_decoding): batch 1, SETTLE_TOKENS tokens on each of SETTLE_PROMPTS prompts
+SETTLE_BAND, SETTLE_MOST, SETTLE_PROMPTS, SETTLE_TOKENS = 0.08, 4, 4, 48
+# batched buckets where the model plans speculation: fewer candidates, BATCH_SETTLE_STEPS steps a round
+BATCH_SETTLE_MOST, BATCH_SETTLE_ROUNDS, BATCH_SETTLE_STEPS = 2, 2, 8
+# a tree is chosen over the best measured chain only when it measures more than this much faster (a chain wins
+# ties): the chain's step is the cheapest and its tau the least exposed to the calibration prompts' luck
+TIE_MARGIN = 0.02
+# ... or by TIE_Z standard errors of the two measured taus' relative difference, if more: at T = 1 four 48-token
+# decodes leave tau ~5% noisy (the micro world: a chain's calibration tau 11% below its held-out one), and a tree
+# picked on noise can lose more than the margin
+TIE_Z = 1.0
+SETTLE_SEED = (
+    20_000  # the seeds of the settling decodes: round r draws from SETTLE_SEED + r, every candidate alike
+)
+
+
+@dataclass
+class Decoded:
+    """Real decodes of one candidate (a tree, or None: AR): tokens emitted, speculative steps (row-steps in a
+    batch), draft tokens accepted in them and the sum of their squares (tau's standard error), wall seconds."""
+
+    tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+    accepted_sq: int = 0
+
+    def __add__(self, other: Decoded) -> Decoded:
+        return Decoded(
+            self.tokens + other.tokens,
+            self.steps + other.steps,
+            self.accepted + other.accepted,
+            self.seconds + other.seconds,
+            self.accepted_sq + other.accepted_sq,
+        )
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 1.0
+
+    @property
+    def tau_stderr(self) -> float:
+        """tau's standard error over the steps (taken as independent); 0 below two steps."""
+        n = self.steps
+        if n < 2:
+            return 0.0
+        mean = self.accepted / n
+        return math.sqrt(max(self.accepted_sq / n - mean * mean, 0.0) / (n - 1))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def settle_candidates(
+    ranked: Sequence[Plan], band: float = SETTLE_BAND, most: int = SETTLE_MOST
+) -> list[Plan]:
+    """The plans to decode for real: those predicted within `band` of the first (at most `most` of them), and the
+    best-ranked plain chain, always (appended when the model ranked it outside)."""
+    top = ranked[0].tokens_per_s
+    near = [p for p in ranked if p.tokens_per_s >= (1.0 - band) * top][:most]
+    # always ranked, unless the caller's candidates had none
+    chain = next((p for p in ranked if p.is_chain), None)
+    if chain is not None and not any(p.is_chain for p in near):
+        near.append(chain)
+    return near
+
+
+def tie_margin(tree: Plan, chain: Plan, tie: float = TIE_MARGIN, z: float = TIE_Z) -> float:
+    """How much faster than `chain` the measured `tree` must be to be chosen: `tie`, or `z` standard errors of the
+    relative difference of their measured taus if more (taken as independent: a pessimistic bound for the tree)."""
+    rel = [(p.tau_stderr or 0.0) / p.tau if p.tau > 0 else 0.0 for p in (tree, chain)]
+    return max(tie, z * math.hypot(*rel))
+
+
+def pick_measured(plans: Sequence[Plan], tie: float = TIE_MARGIN, z: float = TIE_Z) -> Plan:
+    """The fastest measured chain, unless a tree measured faster than it by more than its tie_margin (`tie`, or
+    `z` standard errors of the taus' difference): then the fastest such tree. A chain wins ties, and no tree that
+    measured slower than the chain is ever returned."""
+    chains = [p for p in plans if p.is_chain]
+    if not chains:
+        return max(plans, key=lambda p: p.tokens_per_s)
+    chain = max(chains, key=lambda p: p.tokens_per_s)
+    clear = [
+        p
+        for p in plans
+        if not p.is_chain and p.tokens_per_s > (1.0 + tie_margin(p, chain, tie, z)) * chain.tokens_per_s
+    ]
+    return max(clear, key=lambda p: p.tokens_per_s) if clear else chain
+
+
+def settle_by_decoding(
+    ranked: Sequence[Plan],
+    decode,
+    rounds: int,
+    band: float = SETTLE_BAND,
+    most: int = SETTLE_MOST,
+    tie: float = TIE_MARGIN,
+    z: float = TIE_Z,
+) -> Plan:
+    """The plan to use, by MEASURED tokens per second: the candidates of settle_candidates and AR are each decoded
+    once a round, `decode(tree, round)` -> Decoded (tree None: AR), round r with the same prompt and the same
+    seeded draws for every candidate, the order reversed every other round (ABBA, so a shared machine's drift hits
+    all alike). Each candidate's tau, step and tokens per second are its sums over the rounds, its speedup is over
+    AR's tokens per second in the same rounds, and pick_measured chooses (a chain wins ties: a tree must beat it by
+    `tie`, or by `z` standard errors of their taus' difference). Why measure: the model's tau multiplies per-depth
+    acceptances as if depths were independent (optimistic at T > 0 for any tree with a multi-draw level: [2,2,1]
+    predicted 2.90, decoded 2.53 on the tiny world), and its step adds up parts that rank the top candidates, often
+    within 1-2% of each other, wrongly. The plan returned is marked `measured`, keeps the model's figures
+    (tau_model, speedup_model) and lists every candidate decoded."""
+    near = settle_candidates(ranked, band, most)
+    trees: list[list[int] | None] = [None, *(p.tree for p in near)]
+    runs = [Decoded() for _ in trees]
+    for rnd in range(rounds):
+        order = range(len(trees)) if rnd % 2 == 0 else reversed(range(len(trees)))
+        for i in order:
+            runs[i] = runs[i] + decode(trees[i], rnd)
+    ar_tps = runs[0].tokens_per_s
+    settled = [
+        replace(
+            plan,
+            tau=run.tau,
+            tau_stderr=run.tau_stderr,
+            step_ms=1e3 * run.seconds / max(run.steps, 1),
+            tokens_per_s=run.tokens_per_s,
+            speedup=run.tokens_per_s / ar_tps if ar_tps > 0 else 0.0,
+            measured=True,
+            tau_model=plan.tau,
+            speedup_model=plan.speedup,
+        )
+        for plan, run in zip(near, runs[1:], strict=True)
+    ]
+    table = [
+        {
+            "tree": p.tree,
+            "tau_model": p.tau_model,
+            "tau": p.tau,
+            "speedup_model": p.speedup_model,
+            "speedup": p.speedup,
+            "tokens": run.tokens,
+            "tau_stderr": p.tau_stderr,
+        }
+        for p, run in zip(settled, runs[1:], strict=True)
+    ]
+    return replace(pick_measured(settled, tie, z), candidates=table)
+
+
+class CalibrationDecodes:
+    """settle_by_decoding's `decode` at batch 1: one generation of SETTLE_TOKENS tokens of calibration prompt
+    r % len(prompts) with seed SETTLE_SEED + r, through the decoder the server and the bench run (one
+    SpeculativeDecoder per tree, built once; AR its generate_autoregressive), timed whole as the bench times its
+    rows (prefill included); each decoder's first call is preceded by an untimed short one (warm-up)."""
+
+    def __init__(self, target, draft, rule, prompts, sampling, max_new_tokens: int = SETTLE_TOKENS):
+        self.target, self.draft, self.rule, self.prompts = target, draft, rule, prompts
+        self.sampling, self.max_new_tokens = sampling, max_new_tokens
+        self.device = next(target.parameters()).device
+        self.decoders: dict = {}
+
+    def __call__(self, tree: Sequence[int] | None, rnd: int) -> Decoded:
+
+        key = None if tree is None else tuple(tree)
+        ids = torch.tensor([list(self.prompts[rnd % len(self.prompts)])], device=self.device)
+        if key not in self.decoders:
+            dec = SpeculativeDecoder(self.target, self.draft, rule=self.rule, tree=list(key or (1,)))
+            self.decoders[key] = dec.generate if key else dec.generate_autoregressive
+            self._run(key, ids, SETTLE_SEED - 1, 8)  # warm-up
+        return self._run(key, ids, SETTLE_SEED + rnd, self.max_new_tokens)
+
+    def _run(self, key, ids: torch.Tensor, seed: int, max_new_tokens: int) -> Decoded:
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        sync_device(self.device)
+        t0 = time.perf_counter()
+        out = self.decoders[key](ids, generator=gen, max_new_tokens=max_new_tokens, **self.sampling)
+        sync_device(self.device)
+        seconds = time.perf_counter() - t0
+        stats = out.stats
+        return Decoded(
+            stats.num_new_tokens, stats.num_drafts, stats.num_accepted_tokens, seconds, stats.accepted_sq
+        )
+
+
+class BatchedCalibrationDecodes:
+    """settle_by_decoding's `decode` at `rows` rows: the batched speculative decoder (AR: its plain steps, as the
+    server's batched AR) on `rows` calibration prompts (cycled; row i seeded SETTLE_SEED + round * rows + i, every
+    candidate alike), one untimed step and BATCH_SETTLE_STEPS timed ones."""
+
+    def __init__(self, target, draft, rule, prompts, sampling, rows: int, steps: int = BATCH_SETTLE_STEPS):
+        self.target, self.draft, self.rule, self.prompts = target, draft, rule, prompts
+        self.sampling, self.rows, self.steps = sampling, rows, steps
+
+    @torch.inference_mode()
+    def __call__(self, tree: Sequence[int] | None, rnd: int) -> Decoded:
+
+        dec = BatchedSpeculativeDecoder(self.target, self.draft, self.rule, list(tree or (1,)))
+        greedy = is_greedy(self.sampling.get("temperature", 1.0))
+        for i in range(self.rows):
+            seed = SETTLE_SEED + rnd * self.rows + i
+            dec.add(
+                list(self.prompts[(rnd * self.rows + i) % len(self.prompts)]),
+                max_new_tokens=(self.steps + 2) * (len(tree or ()) + 1),
+                eos_token_id=[],
+                generator=None if greedy else torch.Generator().manual_seed(seed),
+                **self.sampling,
+            )
+        drafting = tree is not None
+        dec.step(drafting)  # warm-up (and the draft's prefill)
+
+        def counts(rows) -> list[tuple[int, ...]]:
+            return [
+                (r.stats.num_new_tokens, r.stats.num_drafts, r.stats.num_accepted_tokens, r.stats.accepted_sq)
+                for r in rows
+            ]
+
+        rows = list(dec.rows)
+        before = counts(rows)
+        t0 = time.perf_counter()
+        for _ in range(self.steps):
+            dec.step(drafting)
+        seconds = time.perf_counter() - t0
+        tokens, steps, accepted, accepted_sq = (
+            sum(a[k] - b[k] for a, b in zip(counts(rows), before, strict=True)) for k in range(4)
+        )
+        return Decoded(tokens, steps, accepted, seconds, accepted_sq)
