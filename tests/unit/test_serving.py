@@ -811,7 +811,7 @@ def test_step_cost_model_fits_a_line_in_the_rows():
     a falling one is clamped flat."""
     import pytest
 
-    from resispec.serving.scheduler import StepCostModel
+    from resispec.serving.policy import StepCostModel
 
     model = StepCostModel()
     for rows in range(1, 9):
@@ -854,14 +854,8 @@ def test_adaptive_policy_decides_by_the_cost_model():
 
     import pytest
 
-    from resispec.serving.scheduler import (
-        EXPLORE_EVERY,
-        MIN_SAMPLES,
-        PROBE_STEPS,
-        Scheduler,
-        StepCostModel,
-        _bucket,
-    )
+    from resispec.serving.policy import EXPLORE_EVERY, MIN_SAMPLES, PROBE_STEPS, StepCostModel, bucket
+    from resispec.serving.scheduler import Scheduler
 
     batched = SimpleNamespace(draft=object(), rows=[], shape=[3])
     engine = SimpleNamespace(batched=batched, trees_by_batch={2: None})
@@ -881,7 +875,7 @@ def test_adaptive_policy_decides_by_the_cost_model():
             sched._measure(False, rows, rows, False, 0.008 + 0.001 * rows)
             sched._measure(True, rows, 1.5 * rows, False, 0.009 + 0.002 * rows)
             # the model decides at a bucket once both modes have MIN_SAMPLES steps there
-            count = sched.models["ar"].count_at(_bucket(rows))
+            count = sched.models["ar"].count_at(bucket(rows))
             assert (sched.predicted_ratio(rows) is None) == (count < MIN_SAMPLES)
         for rows in (3, 8, 16):  # one line per mode through every bucket's steps
             assert sched.predicted_ratio(rows) == pytest.approx((9 + 2 * rows) / (1.5 * (8 + rows)))
@@ -1205,7 +1199,8 @@ def test_no_drafting_probe_breaks_a_batch_in_lockstep():
     held back (an AR step staggers nothing)."""
     from types import SimpleNamespace
 
-    from resispec.serving.scheduler import EXPLORE_EVERY, PROBE_STEPS, Scheduler
+    from resispec.serving.policy import EXPLORE_EVERY, PROBE_STEPS
+    from resispec.serving.scheduler import Scheduler
 
     batched = SimpleNamespace(draft=object(), rows=[], shape=[3], in_lockstep=True)
     engine = SimpleNamespace(batched=batched, trees_by_batch={16: None, 4: [2, 1]})
