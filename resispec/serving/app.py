@@ -17,7 +17,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,15 +32,12 @@ from resispec.sampling import GREEDY_BELOW_TEMPERATURE
 from resispec.serving.config import ServerConfig
 from resispec.serving.logprobs import TokenText, chat_logprobs, completion_logprobs, scoring_model
 from resispec.serving.metrics import ServerMetrics
+from resispec.serving.openapi import error_param, openapi_builder, responses
 from resispec.serving.protocol import (
-    NEUTRAL_SCHEMAS,
-    SEED_MAX,
-    SEED_MIN,
     UNSUPPORTED,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorResponse,
     InvalidUnicode,
     SamplingFields,
     error_body,
@@ -450,166 +447,26 @@ class _Guard:
         await send({"type": "http.response.body", "body": body})
 
 
-def _param(loc: tuple, models: tuple[type, ...]) -> str | None:
-    """A pydantic error location -> an OpenAI `param` ("messages[0].role"), without pydantic's union tags
-    ("prompt.str", "stop.list[str]")."""
-    names = {name for model in models for name in _field_names(model)}
-    out = ""
-    for part in loc:
-        if part == "body":
-            continue
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in names:
-            out += f".{part}" if out else part
-    return out or None
-
-
-def _field_names(model: type) -> set[str]:
-    from pydantic import BaseModel
-
-    names: set[str] = set()
-    for name, f in getattr(model, "model_fields", {}).items():
-        names.add(name)
-        for arg in _type_args(f.annotation):
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                names |= _field_names(arg)
-    return names
-
-
-def _type_args(tp) -> list:
-    import typing
-
-    args = list(typing.get_args(tp))
-    return [tp] + [a for arg in args for a in _type_args(arg)]
-
-
-_ERROR_STATUSES = {
-    400: "Invalid request (OpenAI error body).",
-    401: "Missing or wrong API key.",
-    404: "Unknown model.",
-    413: "Request body too large.",
-    500: "Generation failed (OpenAI error body).",
-    503: "The request queue is full; retry after `Retry-After` seconds.",
-}
-
-
-def _responses(*statuses: int, stream: bool = False) -> dict[int | str, dict]:
-    """OpenAPI `responses` for a route: the error statuses it sends (each with the error body), and for the
-    generation endpoints the SSE stream."""
-    out: dict[int | str, dict] = {
-        s: {"model": ErrorResponse, "description": _ERROR_STATUSES[s]} for s in statuses
-    }
-    if 503 in out:
-        out[503]["headers"] = {"Retry-After": {"schema": {"type": "string"}}}
-    if stream:
-        out[200] = {
-            "description": "The completion (JSON), or with `stream: true` server-sent events, each line "
-            "`data: <chunk JSON>`, ending with `data: [DONE]`.",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
-        }
-    return out
-
-
-_BOUND_NAMES = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
-
-
-def _document_limits(schemas: dict, st: _Server) -> None:
-    """Write this server's own limits into the request schemas, so a client (or a schema-driven fuzzer) can read
-    what is accepted: the one model id, the neutral values of unsupported fields, stop-string bounds, exact
-    integer bounds (pydantic spells them as floats, and 2^63 - 1 does not survive that)."""
-    stop = {"type": "string", "maxLength": st.cfg.max_stop_length}
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        props = schemas[name]["properties"]
-        props["model"] = {"type": "string", "enum": [st.cfg.model_name], "title": "Model"}
-        props["seed"] = {
-            "anyOf": [{"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}, {"type": "null"}]
-        }
-        props["stop"] = {
-            "anyOf": [
-                stop,
-                {"type": "array", "items": stop, "maxItems": st.cfg.max_stop_strings},
-                {"type": "null"},
-            ]
-        }
-        for field_name, neutral in NEUTRAL_SCHEMAS.items():
-            if field_name in props:
-                props[field_name] = neutral
-        for field_schema in props.values():
-            for sub in field_schema.get("anyOf", [field_schema]):
-                # pydantic leaves the bounds of an annotated int (`Int`) under its own names (ge, le, ...),
-                # which JSON Schema ignores: spell them as JSON Schema's
-                for ours, theirs in _BOUND_NAMES.items():
-                    if ours in sub:
-                        sub[theirs] = sub.pop(ours)
-                for bound in ("minimum", "maximum"):
-                    if sub.get("type") == "integer" and isinstance(sub.get(bound), float):
-                        sub[bound] = int(sub[bound])
-    # at most the context less one prompt token (a longer prompt leaves less room: then a 400, as vLLM answers)
-    most = st.max_model_len - 1
-    schemas["CompletionRequest"]["properties"]["max_tokens"] = {
-        "anyOf": [{"type": "integer", "minimum": 0, "maximum": most}, {"type": "null"}]
-    }
-    chat = schemas["ChatCompletionRequest"]["properties"]
-    for name in ("max_tokens", "max_completion_tokens"):  # 0 is for echo, which chat has not
-        chat[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": most}, {"type": "null"}]}
-    # the rules that tie two fields (OpenAI's, answered with a 400), in JSON Schema's if / then
-    for name, rules in (
-        (
-            "CompletionRequest",
-            [("stream_options", {"type": "object"}, "stream"), ("max_tokens", {"const": 0}, "echo")],
-        ),
-        (
-            "ChatCompletionRequest",
-            [
-                ("stream_options", {"type": "object"}, "stream"),
-                ("top_logprobs", {"type": "integer"}, "logprobs"),
-            ],
-        ),
-    ):
-        schemas[name]["allOf"] = [
-            {
-                "if": {"properties": {field: value}, "required": [field]},
-                "then": {"properties": {needs: {"const": True}}, "required": [needs]},
-            }
-            for field, value, needs in rules
-        ]
-    token_id = {"type": "integer", "minimum": 0, "maximum": st.vocab_size - 1}
-    # an empty string is a prompt when the tokenizer adds a BOS token to it (as vLLM accepts it), else a 400
-    empty_text = 0 if encode_text(st.tokenizer, "") else 1
-    schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"] = [
-        {"type": "string", "minLength": empty_text},
-        {"type": "array", "items": token_id, "minItems": 1},
-        {"type": "array", "items": {"type": "string", "minLength": empty_text}, "minItems": 1, "maxItems": 1},
-        {
-            "type": "array",
-            "items": {"type": "array", "items": token_id, "minItems": 1},
-            "minItems": 1,
-            "maxItems": 1,
-        },
-    ]
-
-
-def _openapi(app: FastAPI, st: _Server):
-    """The schema FastAPI builds, without its 422 (this server answers validation errors with 400), with this
-    server's limits written in."""
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            from fastapi.openapi.utils import get_openapi
-
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for ops in schema.get("paths", {}).values():
-                for op in ops.values():
-                    op.get("responses", {}).pop("422", None)
-            schemas = schema.get("components", {}).get("schemas", {})
-            for name in ("HTTPValidationError", "ValidationError"):
-                schemas.pop(name, None)
-            _document_limits(schemas, st)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    return openapi
+def _validation_response(st: _Server, request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A request body that does not validate -> 400 with an OpenAI error (its `param`, the first error's message,
+    and how many more there are); a missing or wrong key still gets its 401 first."""
+    try:
+        st.check_auth(request)  # the body is parsed before dependencies run: a missing key still wins
+    except APIError as err:
+        return _error_response(err)
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    cause = first.get("ctx", {}).get("error")
+    if first.get("type") == "json_invalid":
+        msg, param = f"Malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    elif isinstance(cause, InvalidUnicode):
+        msg, param = str(cause), cause.param
+    else:
+        param = error_param(first.get("loc", ()), (CompletionRequest, ChatCompletionRequest))
+        msg = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        if len(errors) > 1:
+            msg += f" (and {len(errors) - 1} more errors)"
+    return _error_response(APIError(400, msg, param=param, code=first.get("type")))
 
 
 def create_app(
@@ -633,10 +490,9 @@ def create_app(
     app = FastAPI(title="resispec", version="0.1.0", lifespan=lifespan)
     app.state.server = st
     app.add_middleware(_Guard, max_body=st.cfg.max_body_bytes)
-    app.openapi = _openapi(app, st)
+    app.openapi = openapi_builder(app, st)
     # auth runs as a dependency, i.e. before the body is validated: no key -> 401 even for a bad body
     auth = [Depends(st.check_auth)]
-    request_models = (CompletionRequest, ChatCompletionRequest)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -644,23 +500,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        try:
-            st.check_auth(request)  # the body is parsed before dependencies run: a missing key still wins
-        except APIError as err:
-            return _error_response(err)
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        cause = first.get("ctx", {}).get("error")
-        if first.get("type") == "json_invalid":
-            msg, param = f"Malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-        elif isinstance(cause, InvalidUnicode):
-            msg, param = str(cause), cause.param
-        else:
-            param = _param(first.get("loc", ()), request_models)
-            msg = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
-            if len(errors) > 1:
-                msg += f" (and {len(errors) - 1} more errors)"
-        return _error_response(APIError(400, msg, param=param, code=first.get("type")))
+        return _validation_response(st, request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -685,16 +525,16 @@ def create_app(
             "max_model_len": st.max_model_len,
         }
 
-    @app.get("/v1/models", dependencies=auth, responses=_responses(401))
+    @app.get("/v1/models", dependencies=auth, responses=responses(401))
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=auth, responses=_responses(401, 404))
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, responses=responses(401, 404))
     async def model(model_id: str) -> dict:
         st.check_model(model_id)
         return model_card()
 
-    generation_errors = _responses(400, 401, 404, 413, 500, 503, stream=True)
+    generation_errors = responses(400, 401, 404, 413, 500, 503, stream=True)
 
     @app.post("/v1/completions", dependencies=auth, responses=generation_errors)
     async def completions(req: CompletionRequest, request: Request):
@@ -716,6 +556,56 @@ def _reply(rid: str, kind: str, created: int, model: str, **choice) -> dict:
         "model": model,
         "choices": [{"index": 0, **choice}],
     }
+
+
+def _sse_stream(
+    st: _Server,
+    req: CompletionRequest | ChatCompletionRequest,
+    job: Job,
+    stop: list[str],
+    prompt_len: int,
+    empty: Callable[[str | None], dict],
+    piece: Callable[[str, int], dict | None],
+    opening: Callable[[], dict] | None = None,
+    lazy_opening: bool = True,
+) -> StreamingResponse:
+    """The SSE response of one streamed choice, for both endpoints: `opening` (the echo, the chat role) first, at
+    once or (`lazy_opening`) with the first delta; a chunk per delta that `piece` makes one of; `empty(finish)`, the
+    chunk with no text, closing with the finish reason; the usage chunk when asked (stream_options.include_usage),
+    and `[DONE]`. An error after the stream has started is reported in-band."""
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        extra = {"usage": None} if with_usage else {}
+        opened = opening is None
+        try:
+            if not opened and not lazy_opening:
+                opened = True
+                yield _sse({**opening(), **extra})
+            async with aclosing(st.run(job, stop)) as deltas:
+                async for delta, num_tokens in deltas:
+                    if not opened:
+                        opened = True
+                        yield _sse({**opening(), **extra})
+                    out = piece(delta, num_tokens)
+                    if out is not None:
+                        yield _sse({**out, **extra})
+            if not opened:
+                yield _sse({**opening(), **extra})
+            yield _sse({**empty(job.result.finish_reason), **extra})
+            if with_usage:
+                yield _sse(
+                    {
+                        **empty(None),
+                        "choices": [],
+                        "usage": usage(prompt_len, job.result.num_tokens, job.stats),
+                    }
+                )
+        except Exception as exc:  # the stream has started: report in-band
+            yield _sse_error(exc)
+        yield "data: [DONE]\n\n"
+
+    return _CancellingStream(events(), job)
 
 
 async def _completions(st: _Server, req: CompletionRequest, request: Request):
@@ -751,35 +641,17 @@ async def _completions(st: _Server, req: CompletionRequest, request: Request):
             **body(echo + res.text, res.finish_reason, logprobs(res.num_tokens, prompt=req.echo)),
             "usage": usage(len(prompt_ids), res.num_tokens, job.stats),
         }
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+    echo_chunk = (lambda: body(echo, None, logprobs(0, prompt=True))) if req.echo else None
 
-    async def events() -> AsyncIterator[str]:
-        extra = {"usage": None} if with_usage else {}
-        echoed = not req.echo
-        try:
-            async with aclosing(st.run(job, params.stop)) as deltas:
-                async for delta, num_tokens in deltas:
-                    if not echoed:  # the prompt's log-probs exist once the worker has started the job
-                        echoed = True
-                        yield _sse({**body(echo, None, logprobs(0, prompt=True)), **extra})
-                    if delta or (num_tokens and req.logprobs is not None):
-                        yield _sse({**body(delta, None, logprobs(num_tokens)), **extra})
-            if not echoed:
-                yield _sse({**body(echo, None, logprobs(0, prompt=True)), **extra})
-            yield _sse({**body("", job.result.finish_reason), **extra})
-            if with_usage:
-                yield _sse(
-                    {
-                        **body("", None),
-                        "choices": [],
-                        "usage": usage(len(prompt_ids), job.result.num_tokens, job.stats),
-                    }
-                )
-        except Exception as exc:  # the stream has started: report in-band
-            yield _sse_error(exc)
-        yield "data: [DONE]\n\n"
+    def piece(delta: str, num_tokens: int) -> dict | None:
+        if delta or (num_tokens and req.logprobs is not None):
+            return body(delta, None, logprobs(num_tokens))
+        return None
 
-    return _CancellingStream(events(), job)
+    # the prompt's log-probs exist once the worker has started the job: the echo goes with the first delta
+    return _sse_stream(
+        st, req, job, params.stop, len(prompt_ids), lambda f: body("", f), piece, echo_chunk, True
+    )
 
 
 async def _chat_completions(st: _Server, req: ChatCompletionRequest, request: Request):
@@ -827,27 +699,13 @@ async def _chat_completions(st: _Server, req: ChatCompletionRequest, request: Re
             ),
             "usage": usage(len(prompt_ids), res.num_tokens, job.stats),
         }
-    with_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    async def events() -> AsyncIterator[str]:
-        extra = {"usage": None} if with_usage else {}
-        try:
-            yield _sse({**chunk({"role": "assistant", "content": ""}, None), **extra})
-            async with aclosing(st.run(job, params.stop)) as deltas:
-                async for delta, num_tokens in deltas:
-                    if delta or (num_tokens and num_top is not None):
-                        yield _sse({**chunk({"content": delta}, None, logprobs(num_tokens)), **extra})
-            yield _sse({**chunk({}, job.result.finish_reason), **extra})
-            if with_usage:
-                yield _sse(
-                    {
-                        **chunk({}, None),
-                        "choices": [],
-                        "usage": usage(len(prompt_ids), job.result.num_tokens, job.stats),
-                    }
-                )
-        except Exception as exc:
-            yield _sse_error(exc)
-        yield "data: [DONE]\n\n"
+    def piece(delta: str, num_tokens: int) -> dict | None:
+        if delta or (num_tokens and num_top is not None):
+            return chunk({"content": delta}, None, logprobs(num_tokens))
+        return None
 
-    return _CancellingStream(events(), job)
+    def role() -> dict:
+        return chunk({"role": "assistant", "content": ""}, None)
+
+    return _sse_stream(st, req, job, params.stop, len(prompt_ids), lambda f: chunk({}, f), piece, role, False)

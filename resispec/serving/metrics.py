@@ -141,6 +141,14 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
+        self._add_step_and_cache_metrics(r, lbl)
+        for gauge in (self.running, self.waiting):
+            gauge.labels(model_name).set(0)
+        for counter in (self.prefix_cache_queries, self.prefix_cache_hits):  # 0 until a prompt is looked up
+            counter.labels(model_name)
+
+    def _add_step_and_cache_metrics(self, r: CollectorRegistry, lbl: list[str]) -> None:
+        """The batch-step counters (by mode and batch-size bucket) and the prefix cache's."""
         self.batch_steps = Counter(
             "resispec:batch_steps",
             "Batch decode steps, by mode (draft: the rows drafted a tree; ar: no row drafted) and batch-size bucket.",
@@ -171,10 +179,6 @@ class ServerMetrics:
             lbl,
             registry=r,
         )
-        for gauge in (self.running, self.waiting):
-            gauge.labels(model_name).set(0)
-        for counter in (self.prefix_cache_queries, self.prefix_cache_hits):  # 0 until a prompt is looked up
-            counter.labels(model_name)
 
     def observe_spec(self, stats) -> None:
         """Add one request's DecodeStats to the spec-decode counters."""
