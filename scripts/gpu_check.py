@@ -80,7 +80,7 @@ def _world_overrides(dry: bool) -> list[str]:
 
 
 def part_world(out: Path, dry: bool) -> dict:
-    """The tiny world on CUDA: AR against every rule on a chain and on tree=auto (serve/bench.py), and the
+    """The tiny world on CUDA: AR against every rule on a chain and on tree=auto (bench/speed.py), and the
     target's forward cost against 1-64 new tokens (the planner's forward table)."""
     bench_dir = out / "bench"
     if dry:
@@ -93,7 +93,7 @@ def part_world(out: Path, dry: bool) -> dict:
         extra += ["bench.max_new_tokens=4", "bench.warmup=0", "bench.temperatures=[1.0]"]
     else:
         extra = ["bench.trees=[[1,1,1,1]]", "bench.num_prompts=3", "bench.max_new_tokens=48"]
-    cmd = [sys.executable, "serve/bench.py", *_world_overrides(dry), f"bench.output_dir={bench_dir}"]
+    cmd = [sys.executable, "bench/speed.py", *_world_overrides(dry), f"bench.output_dir={bench_dir}"]
     cmd += ["bench.hf_assisted=false", "logger.wandb.mode=disabled", *extra]
     rc = _run(cmd, out / "world_bench.log")
     summary: dict = {"bench_rc": rc}
@@ -238,7 +238,7 @@ def _without(d: dict, *keys: str) -> dict:
 
 def part_serve(out: Path, dry: bool) -> dict:
     """The batched decoder and the server at 8 concurrent clients on the tiny world (the in-process comparison of
-    resispec.serving.loadtest: one-at-a-time and continuous batching, AR and speculative): p95 at 8 against a
+    bench/load.py: one-at-a-time and continuous batching, AR and speculative): p95 at 8 against a
     lone request."""
     load_dir = out / "load"
     if dry:
@@ -247,13 +247,7 @@ def part_serve(out: Path, dry: bool) -> dict:
     else:
         extra = ["bench.concurrencies=[1,8]", "bench.num_requests=16", "bench.max_new_tokens=64"]
         extra += ["bench.modes=[batched AR,batched spec,batched adaptive]"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "resispec.serving.loadtest",
-        *_world_overrides(dry),
-        f"bench.output_dir={load_dir}",
-    ]
+    cmd = [sys.executable, "bench/load.py", *_world_overrides(dry), f"bench.output_dir={load_dir}"]
     rc = _run(cmd + extra, out / "serve.log")
     sweep = load_dir / "sweep.json"
     summary: dict = {"rc": rc}
