@@ -1,6 +1,6 @@
 """Regeneration engines compared on the same prompts: built-in (HF generate, batched) vs vLLM's offline API.
 
-PYTHONPATH=. python recipes/vllm/compare_generate.py [--target world:target] [--n 32] [--max-new-tokens 64]
+python bench/experiments/compare_generate.py [--target world:target] [--n 32] [--max-new-tokens 64]
 
 Prints tokens/s of each engine (generation only; vLLM's start-up is reported apart), whether the greedy (T = 0)
 responses are identical, and at T = 1 the distribution check of each engine's samples against the target
@@ -15,16 +15,16 @@ import time
 
 import torch
 
+from resispec.benchmark.vllm_peer import distribution_check
+from resispec.data.config import DataConfig, RegenConfig
+from resispec.data.prompts import load_prompts
+from resispec.data.regen import _generate_batch
+from resispec.models import load_model, load_tokenizer, resolve_model_path
+from resispec.models.config import ModelConfig
+from resispec.vllm_venv import offline_generate, vllm_version
+
 
 def main() -> None:
-    from resispec.benchmark.vllm_peer import distribution_check
-    from resispec.data.config import DataConfig, RegenConfig
-    from resispec.data.prompts import load_prompts
-    from resispec.data.regen import _generate_batch
-    from resispec.models import load_model, load_tokenizer, resolve_model_path
-    from resispec.models.config import ModelConfig
-    from resispec.vllm_venv import offline_generate, vllm_version
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="world:target")
     ap.add_argument("--n", type=int, default=32)

@@ -4,7 +4,7 @@ the prefix cache cannot help) every second after its previous one is answered. P
 between two SSE chunks (p50, p99, max) and the long requests' time to first token.
 
 python serve/server.py draft.path=<draft> server.prefill_chunk_tokens=0    # or 256, 512, ...
-python recipes/tiny/prefill_stalls.py --url http://127.0.0.1:8000 [--long-words 800] [--seconds 40] [--clients 4]
+python bench/experiments/prefill_stalls.py --url http://127.0.0.1:8000 [--long-words 800] [--seconds 40] [--clients 4]
 
 On the tiny world 800 words are ~880 tokens. Compare settings with one server at a time, alternating, several runs:
 the machine's speed drifts by tens of percent within minutes.

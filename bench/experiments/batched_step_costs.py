@@ -1,7 +1,7 @@
 """Milliseconds per emitted token of the batched decoders, timed alone (no server): batched AR, the speculative
 batch taking AR steps, and the speculative batch drafting a tree, at 1, 4 and 8 rows, T = 0, one torch thread.
 
-python recipes/tiny/batched_step_costs.py --draft <run>/distill/draft [--tree 3] [--forward fast hf]
+python bench/experiments/batched_step_costs.py --draft <run>/distill/draft [--tree 3] [--forward fast hf]
 
 --forward: the decoder's own forward (fast, the default) and/or the HF forward (hf), timed in the same run.
 
@@ -15,13 +15,13 @@ import time
 
 import torch
 
+from resispec.decoding import SpeculativeDecoder
+from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
+from resispec.models import load_pair
+from resispec.models.config import ModelConfig
+
 
 def main() -> None:
-    from resispec.decoding import SpeculativeDecoder
-    from resispec.decoding.batch import BatchedDecoder, BatchedSpeculativeDecoder
-    from resispec.models import load_pair
-    from resispec.models.config import ModelConfig
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="world:target")
     ap.add_argument("--draft", default="world:draft")

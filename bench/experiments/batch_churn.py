@@ -3,7 +3,7 @@ decode, a finished row is replaced by a new request, at most one admission per s
 scheduler admits while rows run), so rows finish and join at staggered steps, which is where joining and leaving
 cost shows. Every row takes AR steps (`--mode ar`) or drafts the tree (`--mode spec`).
 
-python recipes/tiny/batch_churn.py --draft <run>/distill/draft [--rows 16] [--mode ar spec] [--requests 96]
+python bench/experiments/batch_churn.py --draft <run>/distill/draft [--rows 16] [--mode ar spec] [--requests 96]
 
 To compare two versions of the code, run it alternately from each checkout (PYTHONPATH=<checkout>), several rounds:
 the machine's speed drifts by tens of percent within minutes (docs/journal/tiny.md, "Joining and leaving").
@@ -16,15 +16,15 @@ import time
 
 import torch
 
+from resispec.data.config import DataConfig
+from resispec.data.prompts import load_heldout_prompts
+from resispec.decoding import SpeculativeDecoder
+from resispec.decoding.batch import BatchedSpeculativeDecoder
+from resispec.models import load_pair
+from resispec.models.config import ModelConfig
+
 
 def main() -> None:
-    from resispec.data.config import DataConfig
-    from resispec.data.prompts import load_heldout_prompts
-    from resispec.decoding import SpeculativeDecoder
-    from resispec.decoding.batch import BatchedSpeculativeDecoder
-    from resispec.models import load_pair
-    from resispec.models.config import ModelConfig
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="world:target")
     ap.add_argument("--draft", default="world:draft")
