@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from resispec.benchmark.config import BenchConfig
+from resispec.benchmark.speed import run_bench
+from resispec.decoding.config import DecodeConfig
+from resispec.models.config import ModelConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -82,10 +87,6 @@ def test_bench_script_writes_report(micro_world, tmp_path):
 def test_bench_random_pair_needs_no_world(tmp_path):
     """bench.random_pair (the former decoding/profile.py --random): a random tiny-world-shaped pair, random prompts,
     the same harness and report; tau and c come from DecodeStats."""
-    from resispec.benchmark.config import BenchConfig
-    from resispec.benchmark.speed import run_bench
-    from resispec.decoding.config import DecodeConfig
-    from resispec.models.config import ModelConfig
 
     bench = BenchConfig(
         random_pair=True,

@@ -13,6 +13,9 @@ import httpx
 import pytest
 import torch
 
+from resispec.benchmark.config import BenchConfig
+from resispec.benchmark.load import run_load_test
+from resispec.decoding import SpeculativeDecoder
 from resispec.serving.text import decode_ids, encode_chat, encode_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,8 +74,6 @@ def _sse(response) -> list[dict]:
 
 
 def test_greedy_completion_equals_decoder(client, oai, pair):
-    from resispec.decoding import SpeculativeDecoder
-
     target, draft, tok = pair
     dec = SpeculativeDecoder(target, draft, rule=RULE, tree=TREE, tokenizer=tok)
     for prompt in PROMPTS[:2]:
@@ -362,9 +363,6 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
 
 
 def test_bench_load_test_mode(server):
-    from resispec.benchmark.config import BenchConfig
-    from resispec.benchmark.load import run_load_test
-
     bench = BenchConfig(concurrency=4, num_requests=8, max_new_tokens=8, temperatures=[1.0])
     res = run_load_test(server, PROMPTS, bench, api_key=KEY, show=False)
     assert res.num_ok == 8 and res.num_failed == 0 and res.model == MODEL

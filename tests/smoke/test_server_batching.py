@@ -15,8 +15,17 @@ import httpx
 import pytest
 import torch
 
-from resispec.benchmark.inprocess import serve_in_thread
+from resispec.benchmark.config import BenchConfig
+from resispec.benchmark.inprocess import compare_in_process, serve_in_thread, serving_modes
+from resispec.benchmark.load import run_load_sweep, run_load_test
+from resispec.decoding import SpeculativeDecoder
+from resispec.decoding.config import DecodeConfig
 from resispec.decoding.tree import max_tree_nodes
+from resispec.models import load_pair
+from resispec.models.config import ModelConfig
+from resispec.serving.app import create_app
+from resispec.serving.config import ServerConfig
+from resispec.serving.server import build_engine
 from resispec.serving.text import decode_ids, encode_text
 
 PROMPTS = ["def main():\n", "import os\n", "class Foo:\n    def ", "for i in range(", "return self.", "x = ["]
@@ -24,9 +33,6 @@ PROMPTS = ["def main():\n", "import os\n", "class Foo:\n    def ", "for i in ran
 
 @pytest.fixture(scope="module")
 def pair(micro_world):
-    from resispec.models import load_pair
-    from resispec.models.config import ModelConfig
-
     _, paths = micro_world
     return load_pair(ModelConfig(path=str(paths.target_dir)), ModelConfig(path=str(paths.draft_dir)))
 
@@ -34,11 +40,6 @@ def pair(micro_world):
 @pytest.fixture(scope="module")
 def serve(pair):
     """Factory: ServerConfig overrides -> (base URL, scheduler); every server is stopped at the end."""
-
-    from resispec.decoding.config import DecodeConfig
-    from resispec.serving.app import create_app
-    from resispec.serving.config import ServerConfig
-    from resispec.serving.server import build_engine
 
     target, draft, tok = pair
     servers = []
@@ -75,8 +76,6 @@ def _metric(text: str, name: str) -> float:
 
 
 def _greedy_alone(pair, prompt: str, n: int) -> str:
-    from resispec.decoding import SpeculativeDecoder
-
     target, draft, tok = pair
     ids = encode_text(tok, prompt)
     out = SpeculativeDecoder(target, draft, tokenizer=tok).generate_autoregressive(
@@ -204,9 +203,6 @@ def test_disconnect_leaves_the_batch(serve, one_thread):
 
 
 def test_load_sweep_completes_every_request(serve, micro_world, tmp_path, one_thread):
-    from resispec.benchmark.config import BenchConfig
-    from resispec.benchmark.load import run_load_sweep
-
     url, _ = serve(max_batch_size=4)
     bench = BenchConfig(concurrencies=[1, 2, 4], num_requests=4, max_new_tokens=8, temperatures=[1.0])
     results = run_load_sweep(url, PROMPTS, bench, model="m", output_dir=tmp_path, show=False)
@@ -223,8 +219,6 @@ def test_load_sweep_completes_every_request(serve, micro_world, tmp_path, one_th
 def test_load_test_reads_the_servers_batch_steps(serve, speculation, one_thread):
     """/metrics counts the batch steps by mode with their seconds and tokens; the load test reports the share
     that drafted and each mode's ms per token, and the tokens the steps emitted are the completions'."""
-    from resispec.benchmark.config import BenchConfig
-    from resispec.benchmark.load import run_load_test
 
     url, _ = serve(max_batch_size=4, speculation=speculation)
     bench = BenchConfig(concurrency=3, num_requests=3, max_new_tokens=10, temperatures=[1.0])
@@ -238,10 +232,6 @@ def test_load_test_reads_the_servers_batch_steps(serve, speculation, one_thread)
 
 
 def test_in_process_comparison(pair, tmp_path, one_thread):
-    from resispec.benchmark.config import BenchConfig
-    from resispec.benchmark.inprocess import compare_in_process, serving_modes
-    from resispec.decoding.config import DecodeConfig
-
     target, draft, tok = pair
     modes = {k: v for k, v in serving_modes(4).items() if k in ("one-at-a-time AR", "batched adaptive")}
     # two interleaved rounds, merged per (mode, level)

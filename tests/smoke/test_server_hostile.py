@@ -14,7 +14,9 @@ import httpx
 import pytest
 import torch
 
+from resispec.decoding import SpeculativeDecoder
 from resispec.sampling import SeedStream
+from resispec.sampling import log_probs as process_logits
 from resispec.serving.text import encode_text
 from tests.smoke.test_server import (
     HEADERS,
@@ -393,8 +395,6 @@ def _reference_logprobs(target, prompt_ids, new_ids, temperature=0.0, top_k=0, t
     sampling transform's log view at each step -> (log p of each new token, full log-prob rows)."""
     from transformers import DynamicCache
 
-    from resispec.sampling import log_probs as process_logits
-
     cache, rows = DynamicCache(), []
     with torch.no_grad():
         out = target(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True)
@@ -414,8 +414,6 @@ def _reference_logprobs(target, prompt_ids, new_ids, temperature=0.0, top_k=0, t
     ],
 )
 def test_logprobs_equal_plain_ar_decoding(conn, pair, settings):
-    from resispec.decoding import SpeculativeDecoder
-
     target, draft, tok = pair
     prompt_ids = encode_text(tok, PROMPTS[1])
     body = {

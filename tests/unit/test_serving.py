@@ -14,11 +14,34 @@ import httpx
 import pytest
 import torch
 
+import resispec.serving.server as srv
 from resispec.benchmark.config import BenchConfig
-from resispec.benchmark.inprocess import serve_in_thread
+from resispec.benchmark.inprocess import UnknownModeError, select_modes, serve_in_thread, serving_modes
+from resispec.benchmark.load import (
+    LoadTestError,
+    one_request,
+    parse_servers,
+    request_max_tokens,
+    run_interleaved,
+    run_load_test,
+    scrape_metrics,
+    step_counts,
+)
+from resispec.benchmark.report import comparison_table, write_report
+from resispec.benchmark.results import BenchRow, LoadTestResult, merge_rounds, percentile, sum_stats
+from resispec.config import register_configs, to_typed
+from resispec.decoding import DecodeStats
+from resispec.decoding.config import DecodeConfig
+from resispec.models.config import ModelConfig
+from resispec.sampling import probs as process_logits
+from resispec.sampling import sample_tokens
 from resispec.serving.app import create_app
 from resispec.serving.config import ServerConfig
-from resispec.serving.text import TextAssembler, fallback_chat_prompt
+from resispec.serving.metrics import ServerMetrics
+from resispec.serving.policy import EXPLORE_EVERY, MIN_SAMPLES, PROBE_STEPS, StepCostModel, bucket
+from resispec.serving.scheduler import Outbox, Scheduler
+from resispec.serving.server import off_main_thread, serving_threads, threads_by_rows
+from resispec.serving.text import TextAssembler, encode_chat, fallback_chat_prompt
 
 ALPHABET = "abcdefghij \n"
 
@@ -342,8 +365,6 @@ def test_logprobs_need_a_scoring_engine_and_echo_works_without(serve_fake):
 @pytest.mark.parametrize("top_k", [0, 1, 7, 2**31 - 1])
 def test_sampling_transform_is_finite_for_any_finite_settings(temperature, top_p, top_k):
     """The guard where probabilities are built: no NaN, so no sampled id outside the vocabulary."""
-    from resispec.sampling import probs as process_logits
-    from resispec.sampling import sample_tokens
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=gen) * 30
@@ -361,9 +382,6 @@ def test_sampling_transform_is_finite_for_any_finite_settings(temperature, top_p
 
 
 def test_write_report_writes_three_files(tmp_path: Path):
-    from resispec.benchmark.report import write_report
-    from resispec.benchmark.results import BenchRow
-
     rows = [
         BenchRow("ar", 0.0, num_tokens=10, seconds=1.0, tokens_per_second=10.0, tau=1.0, speedup=1.0),
         BenchRow(
@@ -394,9 +412,6 @@ def test_write_report_writes_three_files(tmp_path: Path):
 
 
 def test_sum_stats_adds_counters():
-    from resispec.benchmark.results import sum_stats
-    from resispec.decoding import DecodeStats
-
     a = DecodeStats(
         num_drafts=2, num_accepted_tokens=3, accepted_per_position=[2, 1], reached_per_position=[2, 1]
     )
@@ -412,8 +427,6 @@ def test_sum_stats_adds_counters():
 def test_tau_standard_error_over_steps_and_prompts():
     """tau's standard error: the sample standard deviation of the accepted tokens per step over sqrt(steps),
     summed over prompts like every counter (the bench prints it beside tau)."""
-    from resispec.benchmark.results import sum_stats
-    from resispec.decoding import DecodeStats
 
     a, b = DecodeStats(), DecodeStats()
     for acc in (0, 2):
@@ -426,9 +439,6 @@ def test_tau_standard_error_over_steps_and_prompts():
 
 
 def test_load_test_is_localhost_only_and_percentiles():
-    from resispec.benchmark.load import run_load_test
-    from resispec.benchmark.results import percentile
-
     for url in ("http://example.com:8000", "http://10.0.0.1:8000", "https://api.openai.com"):
         with pytest.raises(ValueError, match="this machine"):
             run_load_test(url, ["x"], BenchConfig())
@@ -436,8 +446,6 @@ def test_load_test_is_localhost_only_and_percentiles():
 
 
 def test_load_test_against_fake_server(serve_fake, tmp_path):
-    from resispec.benchmark.load import run_load_test
-
     url = serve_fake(FakeEngine(delay=0.01))
     bench = BenchConfig(concurrency=3, num_requests=7, max_new_tokens=5, temperatures=[0.0])
     res = run_load_test(url, ["abc", "de"], bench, output_dir=tmp_path, show=False)
@@ -469,8 +477,6 @@ def test_server_flag_becomes_override():
     assert overrides[1:] == ["a=b"]
     from hydra import compose, initialize_config_dir
 
-    from resispec.config import register_configs, to_typed
-
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).parents[2] / "conf"), version_base="1.3"):
         cfg = to_typed(compose(config_name="bench", overrides=overrides[:1]))
@@ -478,8 +484,6 @@ def test_server_flag_becomes_override():
 
 
 def test_servers_are_parsed_with_labels_and_bad_lists_are_refused():
-    from resispec.benchmark.load import LoadTestError, parse_servers
-
     assert parse_servers(None, []) == {}
     assert parse_servers("http://127.0.0.1:5", []) == {"server": "http://127.0.0.1:5"}
     assert parse_servers(None, ["ar=http://127.0.0.1:5", "http://localhost:6/", "x?=http://[::1]:7"]) == {
@@ -498,9 +502,6 @@ def test_servers_are_parsed_with_labels_and_bad_lists_are_refused():
 
 
 def test_interleaved_sweep_alternates_the_servers_and_reports_their_ratios(serve_fake, tmp_path):
-    from resispec.benchmark.load import LoadTestError, run_interleaved
-    from resispec.benchmark.report import comparison_table
-
     log = []
 
     class Logged(FakeEngine):
@@ -544,8 +545,6 @@ def test_interleaved_sweep_alternates_the_servers_and_reports_their_ratios(serve
 
 
 def test_encode_chat_uses_the_tokenizer_template_when_present():
-    from resispec.serving.text import encode_chat
-
     class Templated(CharTokenizer):
         chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
 
@@ -562,9 +561,6 @@ def test_serving_threads_take_every_core_or_leave_one():
     import os
 
     import torch
-
-    from resispec.serving.config import ServerConfig
-    from resispec.serving.server import serving_threads
 
     before = torch.get_num_threads()
     try:
@@ -584,10 +580,6 @@ def test_small_batches_leave_a_core_to_the_frontend():
     from types import SimpleNamespace
 
     import torch
-
-    from resispec.serving.config import ServerConfig
-    from resispec.serving.scheduler import Scheduler
-    from resispec.serving.server import threads_by_rows
 
     at = threads_by_rows(ServerConfig(spare_core_below=5), 4)
     assert [at(r) for r in (1, 4, 5, 16)] == [3, 3, 4, 4]
@@ -614,8 +606,6 @@ def test_small_batches_leave_a_core_to_the_frontend():
 
 
 def test_off_main_thread_returns_and_raises_from_another_thread():
-    from resispec.serving.server import off_main_thread
-
     main = threading.get_ident()
     assert off_main_thread(lambda a, b=0: (a + b, threading.get_ident()), 2, b=3)[0] == 5
     assert off_main_thread(threading.get_ident) != main
@@ -627,8 +617,6 @@ def test_outbox_delivers_a_cycle_in_one_wakeup_per_loop_in_order():
     """The decode thread's hand-offs of one cycle reach each event loop in one call_soon_threadsafe, each job's
     items in the order they were put; a loop that is gone cancels its jobs instead of raising."""
     from types import SimpleNamespace
-
-    from resispec.serving.scheduler import Outbox
 
     class Loop:
         def __init__(self, closed=False):
@@ -665,10 +653,6 @@ def test_build_app_does_its_model_work_off_the_main_thread(monkeypatch):
     decode thread's steps 1.5x (off_main_thread)."""
     from types import SimpleNamespace
 
-    import resispec.serving.server as srv
-    from resispec.decoding.config import DecodeConfig
-    from resispec.models.config import ModelConfig
-
     on_main = {}
 
     def recorder(name, result):
@@ -702,8 +686,6 @@ def test_load_requests_carry_a_seed_unless_told_not_to():
 
     import httpx
 
-    from resispec.benchmark.load import one_request
-
     bodies = []
     stream = (
         'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [], "usage": {"completion_tokens": 1}}\n\n'
@@ -730,8 +712,6 @@ def test_load_requests_time_the_gaps_between_their_streamed_chunks():
 
     import httpx
 
-    from resispec.benchmark.load import one_request
-
     events = ['{"choices": [{"text": "a"}]}'] * 3 + ['{"choices": [{"text": ""}]}']
     events.append('{"choices": [], "usage": {"completion_tokens": 3}}')
     body = "".join(f"data: {e}\n\n" for e in events) + "data: [DONE]\n\n"
@@ -746,8 +726,6 @@ def test_load_requests_time_the_gaps_between_their_streamed_chunks():
 
 
 def test_rounds_merge_over_the_summed_wall_clock():
-    from resispec.benchmark.results import LoadTestResult, merge_rounds
-
     def run(wall, tokens, p50, tau):
         rates = dict(tokens_per_second=tokens / wall, requests_per_second=8 / wall)
         return LoadTestResult(
@@ -777,9 +755,6 @@ def test_rounds_merge_over_the_summed_wall_clock():
 
 
 def test_metrics_scrape_counts_the_batch_steps_by_mode():
-    from resispec.benchmark.load import scrape_metrics, step_counts
-    from resispec.serving.metrics import ServerMetrics
-
     m = ServerMetrics("m")
     before = scrape_metrics(m.render().decode())
     m.observe_step("draft", 0.03, 5, 2)
@@ -795,8 +770,6 @@ def test_metrics_scrape_counts_the_batch_steps_by_mode():
 
 
 def test_request_lengths_vary_by_the_range_ratio_the_same_on_every_server():
-    from resispec.benchmark.load import request_max_tokens
-
     assert {request_max_tokens(BenchConfig(max_new_tokens=48), i) for i in range(50)} == {48}
     bench = BenchConfig(max_new_tokens=48, output_len_range_ratio=0.5)
     lengths = [request_max_tokens(bench, i) for i in range(400)]
@@ -810,8 +783,6 @@ def test_step_cost_model_fits_a_line_in_the_rows():
     weighted towards the rows asked about, over the tokens each row emits; a single row count gives a flat line,
     a falling one is clamped flat."""
     import pytest
-
-    from resispec.serving.policy import StepCostModel
 
     model = StepCostModel()
     for rows in range(1, 9):
@@ -853,9 +824,6 @@ def test_adaptive_policy_decides_by_the_cost_model():
     from types import SimpleNamespace
 
     import pytest
-
-    from resispec.serving.policy import EXPLORE_EVERY, MIN_SAMPLES, PROBE_STEPS, StepCostModel, bucket
-    from resispec.serving.scheduler import Scheduler
 
     batched = SimpleNamespace(draft=object(), rows=[], shape=[3])
     engine = SimpleNamespace(batched=batched, trees_by_batch={2: None})
@@ -958,8 +926,6 @@ def test_greedy_batches_draft_the_greedy_plan():
     greedy plan's tree, a batch with any sampled row the sampled plan's; each has its own cost model."""
     from types import SimpleNamespace
 
-    from resispec.serving.scheduler import Scheduler
-
     class Batch:
         draft, shape = object(), [1, 1, 1]
 
@@ -998,8 +964,6 @@ def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
     newcomer's target prefill is left out of the cycle's time."""
     import time
     from types import SimpleNamespace
-
-    from resispec.serving.scheduler import Scheduler
 
     class Batch:
         draft, shape = object(), [3]
@@ -1043,8 +1007,6 @@ def test_adaptive_policy_measures_only_pure_steps_that_do_not_catch_up():
 def test_in_process_modes_are_chosen_by_name():
     import pytest
 
-    from resispec.benchmark.inprocess import UnknownModeError, select_modes, serving_modes
-
     assert select_modes([]) == serving_modes()
     assert list(select_modes(["batched adaptive", "batched AR"])) == ["batched AR", "batched adaptive"]
     with pytest.raises(UnknownModeError, match="batched ar"):
@@ -1058,9 +1020,6 @@ def test_newcomers_are_prefilled_together_in_blocks():
     fails."""
     import threading
     from types import SimpleNamespace
-
-    from resispec.decoding.stats import DecodeStats
-    from resispec.serving.scheduler import Scheduler
 
     calls = []
 
@@ -1118,9 +1077,6 @@ def test_a_long_newcomer_is_prefilled_in_parts_while_others_run():
     fails only its request."""
     import threading
     from types import SimpleNamespace
-
-    from resispec.decoding.stats import DecodeStats
-    from resispec.serving.scheduler import Scheduler
 
     log = []
 
@@ -1198,9 +1154,6 @@ def test_no_drafting_probe_breaks_a_batch_in_lockstep():
     stagger them for good); a staggered batch is probed as before, and AR probes where the plan drafts are not
     held back (an AR step staggers nothing)."""
     from types import SimpleNamespace
-
-    from resispec.serving.policy import EXPLORE_EVERY, PROBE_STEPS
-    from resispec.serving.scheduler import Scheduler
 
     batched = SimpleNamespace(draft=object(), rows=[], shape=[3], in_lockstep=True)
     engine = SimpleNamespace(batched=batched, trees_by_batch={16: None, 4: [2, 1]})
