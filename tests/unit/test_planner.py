@@ -232,7 +232,7 @@ def test_settle_decodes_the_near_ties_the_best_chain_and_ar():
         calls,
         tau={(2, 1, 1): 2.4, (3, 1): 2.4, (1, 1, 1): 2.0},
     )
-    best = settle_by_decoding(ranked, decode, rounds=3, band=0.05, most=4)
+    best = settle_by_decoding(ranked, decode, rounds=3, band=0.05, most=4, remeasure=False)
     first = [None, (2, 1, 1), (3, 1), (1, 1, 1)]
     assert calls == [(k, 0) for k in first] + [(k, 1) for k in first[::-1]] + [(k, 2) for k in first]
     assert best.tree == [3, 1] and best.measured  # 170 tok/s, 13% above the chain's 150
@@ -244,6 +244,27 @@ def test_settle_decodes_the_near_ties_the_best_chain_and_ar():
     )
     assert [c["tree"] for c in best.candidates] == [[2, 1, 1], [3, 1], [1, 1, 1]]
     assert best.candidates[2]["speedup"] == pytest.approx(1.5) and best.candidates[2]["tau_model"] == 2.3
+
+
+def test_the_winner_is_remeasured_on_fresh_rounds():
+    """The winner's curse: of near-tied candidates the one whose rounds were luckiest wins, so its figures from
+    those rounds are biased up. The chosen plan and AR are decoded again on as many FRESH rounds (other round
+    indices: other seeds), and the plan's tau and speedup are those; the selection figures are kept apart."""
+    ranked = [_plan([2, 1], 300, 2.6), _plan([1, 1], 280, 2.2)]
+    calls = []
+
+    def decode(tree, rnd):
+        calls.append((None if tree is None else tuple(tree), rnd))
+        lucky = tree == [2, 1] and rnd < 2  # the tree's selection rounds were lucky: 180 tok/s, later 120
+        tps = 100.0 if tree is None else 180.0 if lucky else 120.0 if tree == [2, 1] else 150.0
+        return Decoded(48, 20, 30 if lucky else 22, 48 / tps)
+
+    plan = settle_by_decoding(ranked, decode, rounds=2)
+    assert plan.tree == [2, 1] and plan.selected_speedup == pytest.approx(1.8)
+    assert plan.speedup == pytest.approx(1.2) and plan.tau == pytest.approx(42 / 20)
+    assert plan.selected_tau == pytest.approx(50 / 20) and plan.tau_model == 2.6
+    assert [c for c in calls if c[1] >= 2] == [(None, 2), ((2, 1), 2), ((2, 1), 3), (None, 3)]  # ABBA
+    assert "chosen at 1.80x" in plan.describe()
 
 
 def test_a_chain_is_always_decoded_and_wins_ties():
@@ -313,7 +334,8 @@ def test_batch_one_plan_is_decoded_and_the_chain_wins_in_the_planner(micro_pair,
     decoded = {t for t, _, _ in calls}
     assert None in decoded and any(t is not None and set(t) == {1} for t in decoded)
     assert any(t is not None and set(t) != {1} for t in decoded)
-    assert {r for _, r, _ in calls} == {0, 1} and plan.startup_s > 0
+    assert {r for _, r, _ in calls} == {0, 1, 2, 3} and plan.startup_s > 0  # rounds 2, 3: the winner again
+    assert {t for t, r, _ in calls if r >= 2} == {None, tuple(plan.tree)}
 
 
 def test_settling_work_is_bounded(micro_pair, monkeypatch):
@@ -354,11 +376,12 @@ def test_settling_work_is_bounded(micro_pair, monkeypatch):
     assert len(decoders) <= SETTLE_MOST + 2 and None in decoders
     assert [n for _, n in runs].count(8) == len(decoders)  # one warm-up each
     timed = [n for _, n in runs if n != 8]
-    assert all(n == SETTLE_TOKENS for n in timed) and len(timed) == len(decoders) * SETTLE_PROMPTS
+    # the candidates and AR once a round, then AR and the winner on as many fresh rounds
+    assert all(n == SETTLE_TOKENS for n in timed) and len(timed) == (len(decoders) + 2) * SETTLE_PROMPTS
     assert len(plans[1].candidates) == len(decoders) - 1 and plans[4].measured
     batched = len(plans[4].candidates) + 1
     assert batched <= BATCH_SETTLE_MOST + 2
-    assert len(steps) == batched * BATCH_SETTLE_ROUNDS * (BATCH_SETTLE_STEPS + 1)
+    assert len(steps) == (batched + 2) * BATCH_SETTLE_ROUNDS * (BATCH_SETTLE_STEPS + 1)
 
 
 def test_calibration_decodes_are_seeded_alike_and_real(micro_pair):

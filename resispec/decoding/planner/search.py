@@ -31,6 +31,10 @@ class Plan:
     # every candidate decoded when this plan was settled: tree, tau_model, tau, speedup_model, speedup, tokens
     candidates: list[dict] = field(default_factory=list)
     startup_s: float = 0.0  # wall seconds of the planning call that chose it (Planner.choose_by_batch)
+    # its tau and speedup in the settling rounds that chose it (settle_by_decoding); tau and speedup are then
+    # re-measured on fresh rounds (the winner of near-ties is the luckiest: its selection figures are biased up)
+    selected_tau: float | None = None
+    selected_speedup: float | None = None
 
     @property
     def is_chain(self) -> bool:
@@ -43,9 +47,12 @@ class Plan:
                 f"{self.tokens_per_s:.0f} tok/s, speedup {self.speedup:.2f}x over AR"
             )
         decoded = ", ".join(f"{c['tree']} {c['speedup']:.2f}x" for c in self.candidates)
+        tau_model = "" if self.tau_model is None else f" (model {self.tau_model:.2f})"
+        speedup_model = "" if self.speedup_model is None else f" (model {self.speedup_model:.2f}x)"
+        chosen_at = "" if self.selected_speedup is None else f", chosen at {self.selected_speedup:.2f}x"
         return (
-            f"tree={self.tree} measured on calibration: tau {self.tau:.2f} (model {self.tau_model:.2f}), "
-            f"step {self.step_ms:.1f} ms, speedup {self.speedup:.2f}x over AR (model {self.speedup_model:.2f}x); "
+            f"tree={self.tree} measured on calibration: tau {self.tau:.2f}{tau_model}, step {self.step_ms:.1f} "
+            f"ms, speedup {self.speedup:.2f}x over AR{speedup_model} on fresh rounds{chosen_at}; "
             f"decoded {decoded}; start-up {self.startup_s:.1f} s"
         )
 

@@ -108,6 +108,36 @@ def pick_measured(plans: Sequence[Plan], tie: float = TIE_MARGIN, z: float = TIE
     return max(clear, key=lambda p: p.tokens_per_s) if clear else chain
 
 
+def decode_rounds(
+    trees: Sequence[Sequence[int] | None], decode, rounds: int, first: int = 0
+) -> list[Decoded]:
+    """Each of `trees` (None: AR) decoded once a round, rounds first .. first + rounds - 1, `decode(tree, round)`,
+    the order reversed every other round (ABBA, so a shared machine's drift hits all alike) -> their sums."""
+    runs = [Decoded() for _ in trees]
+    for rnd in range(first, first + rounds):
+        order = range(len(trees)) if rnd % 2 == 0 else reversed(range(len(trees)))
+        for i in order:
+            runs[i] = runs[i] + decode(trees[i], rnd)
+    return runs
+
+
+def as_measured(plan: Plan, run: Decoded, ar: Decoded) -> Plan:
+    """`plan` with its tau, step, tokens per second and speedup (over `ar`, decoded in the same rounds) from `run`;
+    the model's figures kept in tau_model / speedup_model."""
+    ar_tps = ar.tokens_per_s
+    return replace(
+        plan,
+        tau=run.tau,
+        tau_stderr=run.tau_stderr,
+        step_ms=1e3 * run.seconds / max(run.steps, 1),
+        tokens_per_s=run.tokens_per_s,
+        speedup=run.tokens_per_s / ar_tps if ar_tps > 0 else 0.0,
+        measured=True,
+        tau_model=plan.tau_model if plan.measured else plan.tau,
+        speedup_model=plan.speedup_model if plan.measured else plan.speedup,
+    )
+
+
 def settle_by_decoding(
     ranked: Sequence[Plan],
     decode,
@@ -116,39 +146,25 @@ def settle_by_decoding(
     most: int = SETTLE_MOST,
     tie: float = TIE_MARGIN,
     z: float = TIE_Z,
+    remeasure: bool = True,
 ) -> Plan:
     """The plan to use, by MEASURED tokens per second: the candidates of settle_candidates and AR are each decoded
-    once a round, `decode(tree, round)` -> Decoded (tree None: AR), round r with the same prompt and the same
-    seeded draws for every candidate, the order reversed every other round (ABBA, so a shared machine's drift hits
-    all alike). Each candidate's tau, step and tokens per second are its sums over the rounds, its speedup is over
-    AR's tokens per second in the same rounds, and pick_measured chooses (a chain wins ties: a tree must beat it by
-    `tie`, or by `z` standard errors of their taus' difference). Why measure: the model's tau multiplies per-depth
-    acceptances as if depths were independent (optimistic at T > 0 for any tree with a multi-draw level: [2,2,1]
-    predicted 2.90, decoded 2.53 on the tiny world), and its step adds up parts that rank the top candidates, often
-    within 1-2% of each other, wrongly. The plan returned is marked `measured`, keeps the model's figures
-    (tau_model, speedup_model) and lists every candidate decoded."""
+    once a round (decode_rounds), round r with the same prompt and the same seeded draws for every candidate. Each
+    candidate's tau, step and tokens per second are its sums over the rounds, its speedup is over AR's tokens per
+    second in the same rounds, and pick_measured chooses (a chain wins ties: a tree must beat it by `tie`, or by
+    `z` standard errors of their taus' difference). Why measure: the model's tau multiplies per-depth acceptances
+    as if depths were independent (optimistic at T > 0 for any tree with a multi-draw level: [2,2,1] predicted
+    2.90, decoded 2.53 on the tiny world), and its step adds up parts that rank the top candidates, often within
+    1-2% of each other, wrongly.
+
+    `remeasure`: the chosen plan and AR are then decoded again on `rounds` FRESH rounds (other seeds; rounds
+    `rounds` .. 2 * rounds - 1), and those figures are the plan's prediction. The winner of near-ties is the one
+    whose draws and timings were luckiest: its figures from the rounds that chose it are biased up (the winner's
+    curse; the selection figures stay in `selected_speedup` / `selected_tau`). The plan returned is marked
+    `measured`, keeps the model's figures (tau_model, speedup_model) and lists every candidate decoded."""
     near = settle_candidates(ranked, band, most)
-    trees: list[list[int] | None] = [None, *(p.tree for p in near)]
-    runs = [Decoded() for _ in trees]
-    for rnd in range(rounds):
-        order = range(len(trees)) if rnd % 2 == 0 else reversed(range(len(trees)))
-        for i in order:
-            runs[i] = runs[i] + decode(trees[i], rnd)
-    ar_tps = runs[0].tokens_per_s
-    settled = [
-        replace(
-            plan,
-            tau=run.tau,
-            tau_stderr=run.tau_stderr,
-            step_ms=1e3 * run.seconds / max(run.steps, 1),
-            tokens_per_s=run.tokens_per_s,
-            speedup=run.tokens_per_s / ar_tps if ar_tps > 0 else 0.0,
-            measured=True,
-            tau_model=plan.tau,
-            speedup_model=plan.speedup,
-        )
-        for plan, run in zip(near, runs[1:], strict=True)
-    ]
+    runs = decode_rounds([None, *(p.tree for p in near)], decode, rounds)
+    settled = [as_measured(plan, run, runs[0]) for plan, run in zip(near, runs[1:], strict=True)]
     table = [
         {
             "tree": p.tree,
@@ -161,7 +177,12 @@ def settle_by_decoding(
         }
         for p, run in zip(settled, runs[1:], strict=True)
     ]
-    return replace(pick_measured(settled, tie, z), candidates=table)
+    chosen = replace(pick_measured(settled, tie, z), candidates=table)
+    chosen.selected_tau, chosen.selected_speedup = chosen.tau, chosen.speedup
+    if not remeasure:
+        return chosen
+    ar, fresh = decode_rounds([None, chosen.tree], decode, rounds, first=rounds)
+    return as_measured(chosen, fresh, ar)
 
 
 class CalibrationDecodes:
