@@ -253,10 +253,9 @@ def estimate_build(world: WorldConfig, vocab: int, tokenizer) -> BuildEstimate:
     return BuildEstimate(world, times["draft"], times["target"])
 
 
-def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
-
-    t_start = time.perf_counter()
-    log = print if progress else (lambda *a, **k: None)
+def _tokenize(world: WorldConfig, paths: WorldPaths, log) -> tuple:
+    """Train the BPE tokenizer on the train split and save it and every split's token stream.
+    -> (files per split, texts per split, tokenizer, token streams per split, seconds)."""
     for d in (paths.tokenizer_dir, paths.target_dir, paths.draft_dir, paths.splits_dir):
         d.mkdir(parents=True, exist_ok=True)
     files = stdlib_split_files(world)
@@ -280,12 +279,75 @@ def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
         json.dumps({s: [k for k, _ in fs] for s, fs in files.items()})
     )
     tok_seconds = time.perf_counter() - t0
-    vocab = len(tokenizer)
     log(
-        f"[world {world.name}] tokenizer: {vocab} tokens ({tok_seconds:.1f}s); "
+        f"[world {world.name}] tokenizer: {len(tokenizer)} tokens ({tok_seconds:.1f}s); "
         + ", ".join(f"{s}: {len(v):,} tokens" for s, v in streams.items())
     )
+    return files, texts, tokenizer, streams, tok_seconds
 
+
+def _train_role(
+    world: WorldConfig, role: str, tokenizer, streams: dict, windows, progress: bool, log
+) -> tuple:
+    """(model, stats) of one role ("draft" | "target") trained on the train stream; a target with grow_factor > 1
+    is trained, grown in depth (grow_depth) and trained again."""
+    size, tcfg, seed_off = (
+        (world.draft, world.draft_train, 1) if role == "draft" else (world.target, world.target_train, 0)
+    )
+    vocab = len(tokenizer)
+    torch.manual_seed(world.seed + seed_off)
+    model = make_llama(size, vocab, world.max_position_embeddings, tokenizer)
+    desc = f"{world.name} {role}"
+    stats = train_lm(model, streams["train"], tcfg, world.seed + seed_off, desc=desc, progress=progress)
+    if role == "target" and world.grow_factor > 1:
+        stats["before_grow"] = {
+            "num_layers": size.num_layers,
+            "heldout_loss": round(heldout_loss(model, windows), 4),
+        }
+        model = grow_depth(model, world.grow_factor)
+        grow = train_lm(
+            model,
+            streams["train"],
+            world.target_grow_train,
+            world.seed + 7,
+            desc=f"{desc} x{world.grow_factor} layers",
+            progress=progress,
+        )
+        stats["grow"] = grow
+        stats["steps"] += grow["steps"]
+        stats["train_seconds"] = round(stats["train_seconds"] + grow["train_seconds"], 1)
+        stats["train_tokens"] += grow["train_tokens"]
+    loss = heldout_loss(model, windows)
+    stats.update(
+        params=num_params(model),
+        size=asdict(size),
+        num_layers=model.config.num_hidden_layers,
+        heldout_loss=round(loss, 4),
+        heldout_ppl=round(float(np.exp(loss)), 2),
+        forward_ms=round(forward_ms(model, vocab), 3),
+    )
+    log(
+        f"[world {world.name}] {role}: {stats['params'] / 1e6:.2f}M params, {stats['steps']} steps in "
+        f"{stats['train_seconds']}s, held-out loss {loss:.3f}, {stats['forward_ms']:.2f} ms/token"
+    )
+    return model, stats
+
+
+def _save_model(model, tokenizer, out_dir: Path) -> None:
+    """The checkpoint with the tokenizer's special ids in its generation config and the tokenizer beside it (each
+    checkpoint loads on its own by path)."""
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
+    t_start = time.perf_counter()
+    log = print if progress else (lambda *a, **k: None)
+    files, texts, tokenizer, streams, tok_seconds = _tokenize(world, paths, log)
+    vocab = len(tokenizer)
     windows = eval_windows(streams["validation"], world.target_train.seq_len, max_windows=64)  # [W, T]
     test_starts = np.flatnonzero(streams["test"] == tokenizer.bos_token_id)[:NUM_SAMPLES]
     sample_prompts = [streams["test"][s : s + 24].tolist() for s in test_starts]
@@ -295,62 +357,27 @@ def _build(world: WorldConfig, paths: WorldPaths, progress: bool) -> dict:
         estimate = estimate_build(world, vocab, tokenizer)
         log(f"[world {world.name}] {estimate.describe()}")
     models = {}
-    # the draft first: it is short, the target gets the rest
-    for role, size, tcfg, seed_off in (
-        ("draft", world.draft, world.draft_train, 1),
-        ("target", world.target, world.target_train, 0),
-    ):
-        torch.manual_seed(world.seed + seed_off)
-        model = make_llama(size, vocab, world.max_position_embeddings, tokenizer)
-        desc = f"{world.name} {role}"
-        stats = train_lm(model, streams["train"], tcfg, world.seed + seed_off, desc=desc, progress=progress)
-        if role == "target" and world.grow_factor > 1:
-            stats["before_grow"] = {
-                "num_layers": size.num_layers,
-                "heldout_loss": round(heldout_loss(model, windows), 4),
-            }
-            model = grow_depth(model, world.grow_factor)
-            grow = train_lm(
-                model,
-                streams["train"],
-                world.target_grow_train,
-                world.seed + 7,
-                desc=f"{desc} x{world.grow_factor} layers",
-                progress=progress,
-            )
-            stats["grow"] = grow
-            stats["steps"] += grow["steps"]
-            stats["train_seconds"] = round(stats["train_seconds"] + grow["train_seconds"], 1)
-            stats["train_tokens"] += grow["train_tokens"]
-        loss = heldout_loss(model, windows)
-        stats.update(
-            params=num_params(model),
-            size=asdict(size),
-            num_layers=model.config.num_hidden_layers,
-            heldout_loss=round(loss, 4),
-            heldout_ppl=round(float(np.exp(loss)), 2),
-            forward_ms=round(forward_ms(model, vocab), 3),
-        )
-        log(
-            f"[world {world.name}] {role}: {stats['params'] / 1e6:.2f}M params, {stats['steps']} steps in "
-            f"{stats['train_seconds']}s, held-out loss {loss:.3f}, {stats['forward_ms']:.2f} ms/token"
-        )
-        out_dir = paths.target_dir if role == "target" else paths.draft_dir
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.generation_config.bos_token_id = tokenizer.bos_token_id
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)  # each checkpoint loads on its own by path
+    for role in ("draft", "target"):  # the draft first: it is short, the target gets the rest
+        model, stats = _train_role(world, role, tokenizer, streams, windows, progress, log)
+        _save_model(model, tokenizer, paths.target_dir if role == "target" else paths.draft_dir)
         models[role] = (model, stats)
         if role == "draft" and estimate is not None:
             log(f"[world {world.name}] {estimate.after_draft(stats['train_seconds'])}")
 
     uni = unigram_loss(streams["train"], windows, vocab)
     target_model, target_stats = models["target"]
-    draft_stats = models["draft"][1]
     samples = generate_samples(target_model, tokenizer, sample_prompts, max_new_tokens=48, seed=world.seed)
     for s in samples:
         log(f"--- sample (target)\n{s['prompt']}\u2502{s['continuation']}")
+    times = (vocab, tok_seconds, t_start)
+    return _report(world, texts, streams, windows, target_stats, models["draft"][1], uni, samples, times)
+
+
+def _report(
+    world: WorldConfig, texts, streams, windows, target_stats, draft_stats, uni, samples, times
+) -> dict:
+    """The world's report.json: sizes, the models' stats, the unigram baseline, samples and timings."""
+    vocab, tok_seconds, t_start = times
     return {
         "name": world.name,
         "config_hash": config_hash(world),
