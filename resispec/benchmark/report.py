@@ -195,9 +195,11 @@ def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
     planned = [r for r in rows if r.stats.get("plan")]
     if planned:
         lines += [
-            "tree=auto: the planner's choice, predicted against measured (same run). Predicted: decoded on the "
-            "planner's calibration prompts (the near-tied candidates and the best chain, AR alongside), the product "
-            "model's own figure in brackets; start-up: the seconds the planner spent on the plan.",
+            "tree=auto: the planner's choice, predicted against measured (same run). Predicted: the chosen tree and "
+            "AR decoded again on fresh rounds of the planner's calibration prompts, after the near-tied candidates "
+            "and the best chain were decoded to choose it; in brackets the product model's figure (none for a draft "
+            "head) and the speedup it was chosen at (biased up: the winner of near-ties is the luckiest); start-up: "
+            "the seconds the planner spent on the plan.",
             "",
             "| T | row | predicted tau | measured tau | predicted speedup | measured speedup | candidates decoded "
             "| planner start-up |",
@@ -207,9 +209,10 @@ def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
             pl = r.stats["plan"]
             model_tau, model_speedup = pl.get("tau_model"), pl.get("speedup_model")
             tau = f"{pl['tau']:.2f}" + (f" ({model_tau:.2f})" if model_tau is not None else "")
-            speedup = f"{pl['speedup']:.2f}" + (
-                f" ({model_speedup:.2f})" if model_speedup is not None else ""
-            )
+            notes = [f"{model_speedup:.2f}"] if model_speedup is not None else []
+            if pl.get("selected_speedup") is not None:
+                notes.append(f"chosen at {pl['selected_speedup']:.2f}")
+            speedup = f"{pl['speedup']:.2f}" + (f" ({'; '.join(notes)})" if notes else "")
             decoded = ", ".join(f"{c['tree']} {c['speedup']:.2f}x" for c in pl.get("candidates", [])) or "-"
             lines.append(
                 f"| {r.temperature:g} | {r.label} | {tau} | {_fmt(r.tau)} | {speedup} | {_fmt(r.speedup)} "

@@ -152,8 +152,8 @@ def _methods(
                     )
                     row = BenchRow("spec", temperature, draft=label, rule=rule, tree="ref" + tree_str(tree))
                     out.append(_decoder_method(row, ref.generate, device, sampling))
-        # the planner's cost model times a causal LM's forwards: a draft head is not planned yet
-        for rule in bench.plan_rules if plan is not None and not is_head(draft) else ():
+        # a draft head is planned by decoding only (Planner._settle_head: no cost or acceptance model)
+        for rule in bench.plan_rules if plan is not None else ():
             chosen = plan.choose(draft, rule, sampling, decode.auto_policy)
             log.info("T=%g %s %s: %s (alpha %s)", temperature, label, rule, chosen.describe(), chosen.alpha)
             print(f"planner T={temperature:g} {label} {rule}: {chosen.describe()}")

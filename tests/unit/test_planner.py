@@ -702,3 +702,22 @@ def test_bench_report_keeps_the_plan_table_with_start_up():
     assert "| 1 | resispec auto[1,1,1] (d) | 2.40 (2.60) | 2.35 | 1.50 (1.62) | 1.46 " in text
     assert "| [2, 1, 1] 1.41x, [1, 1, 1] 1.50x | 7.5 s |" in text
     assert "Planner start-up before any plan (the target's forward table): 1.2 s." in text
+
+
+def test_a_draft_head_is_planned_by_decoding(micro_pair):
+    """tree=auto for a draft head (issue 44): no cost or acceptance model (the head's forward reads the target's
+    states), so every tree of HEAD_TREES is decoded with AR alongside at batch 1 (a chain wins ties, the winner
+    re-measured), and a batched size settles batch 1's tree against the chain on real batched steps."""
+    from resispec.decoding.planner import HEAD_TREES
+    from resispec.models.head import DraftHead
+
+    target, _ = micro_pair
+    with single_thread():
+        head = DraftHead.from_target(target, seed=0)
+        planner = Planner(target, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]], continuation_tokens=4)
+        plans = planner.choose_by_batch(head, "resispec", {"temperature": 1.0}, [1, 2])
+    one, two = plans[1], plans[2]
+    assert one.measured and tuple(one.tree) in HEAD_TREES and one.tau_model is None
+    assert [tuple(c["tree"]) for c in one.candidates] == list(HEAD_TREES)
+    assert one.selected_speedup is not None and one.startup_s > 0 and "model" not in one.describe()
+    assert two.measured and len(two.candidates) in (1, 2) and two.tree in ([1, 1, 1], one.tree)

@@ -44,7 +44,14 @@ from resispec.decoding.planner.cost import (
     measure_verify_row_ms,
     monotone,
 )
-from resispec.decoding.planner.search import Plan, candidate_trees, plan_tree, rank_trees
+from resispec.decoding.planner.search import (
+    HEAD_TREES,
+    Plan,
+    candidate_trees,
+    plan_tree,
+    rank_trees,
+    unranked,
+)
 from resispec.decoding.planner.settle import (
     BATCH_SETTLE_MOST,
     BATCH_SETTLE_ROUNDS,
@@ -73,6 +80,7 @@ __all__ = [
     "BatchedCalibrationDecodes",
     "CalibrationDecodes",
     "CostModel",
+    "HEAD_TREES",
     "Decoded",
     "ForwardProbe",
     "NODE_GRID",
@@ -105,4 +113,5 @@ __all__ = [
     "settle_by_decoding",
     "settle_candidates",
     "tie_margin",
+    "unranked",
 ]

@@ -23,7 +23,7 @@ from resispec.decoding.planner.cost import (
     measure_verify_row_ms,
     monotone,
 )
-from resispec.decoding.planner.search import Plan, rank_trees
+from resispec.decoding.planner.search import HEAD_TREES, Plan, rank_trees, unranked
 from resispec.decoding.planner.settle import (
     BATCH_SETTLE_MOST,
     BATCH_SETTLE_ROUNDS,
@@ -33,6 +33,7 @@ from resispec.decoding.planner.settle import (
     settle_by_decoding,
 )
 from resispec.decoding.tree import max_tree_nodes
+from resispec.models.head import is_head
 from resispec.sampling import is_greedy, probs
 from resispec.verify import build_rule
 
@@ -119,21 +120,36 @@ class Planner:
     def _choose_by_batch(
         self, draft, rule, sampling, batch_sizes, auto_policy, threads_at
     ) -> dict[int, Plan]:
-
         def on_threads_of(batch: int) -> None:
             if threads_at is not None:
                 torch.set_num_threads(threads_at(batch))
 
         t_start = time.perf_counter()
         settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
-        on_threads_of(1)  # the verification timings below and the batch-1 forward table
+        rule_obj = build_rule(rule, auto_policy)  # the rule the decoder runs (resispec_auto: with its policy)
+        on_threads_of(1)  # the verification timings and the batch-1 forward table
+        head = is_head(draft)
+        cost, alpha = (None, None) if head else self._calibrate(draft, rule_obj, settings)
+        plans: dict[int, Plan] = {}
+        shared_s = time.perf_counter() - t_start  # the calibration and verification timings serve every size
+        for b in batch_sizes:
+            t_b = time.perf_counter()
+            on_threads_of(b)
+            if head:
+                plans[b] = self._settle_head(draft, rule_obj, settings, b, plans.get(1))
+            else:
+                plans[b] = self._plan_at(b, draft, rule_obj, settings, cost, alpha)
+            plans[b].startup_s = shared_s + time.perf_counter() - t_b
+        return plans
+
+    def _calibrate(self, draft, rule_obj, settings: dict) -> tuple[CostModel, dict[int, float]]:
+        """The batch-1 cost model (verification timed on the calibration's own nodes at T > 0) and alpha."""
         cost = self.cost_for(draft)
         # each prompt's nodes once: the calibration scores them, and the first prompt's time the verification
         node_sets = [
             (seq, len(p), node_logits(self.target, draft, [seq], len(p)))
             for seq, p in zip(self._sequences(settings), self.prompts, strict=True)
         ]
-        rule_obj = build_rule(rule, auto_policy)  # the rule the decoder runs (resispec_auto: with its policy)
         alphas = [
             calibrate_alpha(self.target, draft, [seq], rule_obj, settings, start=start, logits=logits)
             for seq, start, logits in node_sets
@@ -153,35 +169,49 @@ class Planner:
             )
             base = cold[1] - cost.verify_ms[1]
             cost.root_verify_extra_ms = {n: max(cold[n] - cost.verify_ms[n] - base, 0.0) for n in cold}
-        plans = {}
-        shared_s = time.perf_counter() - t_start  # the calibration and verification timings serve every size
-        for b in batch_sizes:
-            t_b = time.perf_counter()
-            on_threads_of(b)
-            at_b = self.cost_for(draft, b)
-            at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
-            at_b.verify_row_ms = cost.verify_row_ms * b
-            at_b.root_verify_extra_ms = dict(cost.root_verify_extra_ms)  # once a step (the first row's call)
-            at_b.chain_walk_in_overhead = b > 1 and getattr(rule_obj, "one_draw_is_standard", False)
-            # per step and per node: timed with the one-node chain and a wider tree
-            measure = measure_overhead if b == 1 else functools.partial(measure_batch_overhead, rows=b)
-            small, wide = (
-                measure(self.target, draft, rule_obj, self.prompts[0], settings, at_b, tree=tree, alpha=alpha)
-                for tree in ((1,), OVERHEAD_TREE)
-            )
-            at_b.overhead_per_node_ms = max(wide - small, 0.0) / (max_tree_nodes(list(OVERHEAD_TREE)) - 1)
-            at_b.overhead_ms = max(small - at_b.overhead_per_node_ms, 0.0)
-            ranked = rank_trees(at_b, alpha)
-            if b == 1:  # always settled on real decodes: the candidates and the best chain, AR alongside
-                decode = CalibrationDecodes(self.target, draft, rule_obj, self.prompts, settings)
-                rounds = max(2, min(SETTLE_PROMPTS, len(self.prompts)))
-                plans[b] = settle_by_decoding(ranked, decode, rounds)
-            elif ranked[0].speedup > 1.0:  # speculation planned at this size: settled on real batched steps
-                decode = BatchedCalibrationDecodes(
-                    self.target, draft, rule_obj, self.prompts, settings, rows=b
-                )
-                plans[b] = settle_by_decoding(ranked, decode, BATCH_SETTLE_ROUNDS, most=BATCH_SETTLE_MOST)
-            else:  # the model says do not speculate here: left to it (and to the scheduler's online model)
-                plans[b] = ranked[0]
-            plans[b].startup_s = shared_s + time.perf_counter() - t_b
-        return plans
+        return cost, alpha
+
+    def _plan_at(self, b: int, draft, rule_obj, settings: dict, cost: CostModel, alpha: dict) -> Plan:
+        """The plan at batch size b: the model ranks (forwards and host overhead timed at b), then batch 1, and
+        every size where the model plans speculation, is settled on real decodes."""
+        at_b = self.cost_for(draft, b)
+        at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
+        at_b.verify_row_ms = cost.verify_row_ms * b
+        at_b.root_verify_extra_ms = dict(cost.root_verify_extra_ms)  # once a step (the first row's call)
+        at_b.chain_walk_in_overhead = b > 1 and getattr(rule_obj, "one_draw_is_standard", False)
+        # per step and per node: timed with the one-node chain and a wider tree
+        measure = measure_overhead if b == 1 else functools.partial(measure_batch_overhead, rows=b)
+        small, wide = (
+            measure(self.target, draft, rule_obj, self.prompts[0], settings, at_b, tree=tree, alpha=alpha)
+            for tree in ((1,), OVERHEAD_TREE)
+        )
+        at_b.overhead_per_node_ms = max(wide - small, 0.0) / (max_tree_nodes(list(OVERHEAD_TREE)) - 1)
+        at_b.overhead_ms = max(small - at_b.overhead_per_node_ms, 0.0)
+        ranked = rank_trees(at_b, alpha)
+        if b == 1:  # always settled on real decodes: the candidates and the best chain, AR alongside
+            decode = CalibrationDecodes(self.target, draft, rule_obj, self.prompts, settings)
+            return settle_by_decoding(ranked, decode, self._rounds())
+        if ranked[0].speedup > 1.0:  # speculation planned at this size: settled on real batched steps
+            decode = BatchedCalibrationDecodes(self.target, draft, rule_obj, self.prompts, settings, rows=b)
+            return settle_by_decoding(ranked, decode, BATCH_SETTLE_ROUNDS, most=BATCH_SETTLE_MOST)
+        return ranked[
+            0
+        ]  # the model says do not speculate here: left to it (and to the scheduler's online model)
+
+    def _rounds(self) -> int:
+        return max(2, min(SETTLE_PROMPTS, len(self.prompts)))
+
+    def _settle_head(self, head, rule_obj, settings: dict, b: int, at_one: Plan | None) -> Plan:
+        """A draft head's plan at batch size b, decoded only: its forward reads the target's states, so the cost
+        and acceptance models (a causal LM's forwards and logits) do not apply. Batch 1: every tree of
+        HEAD_TREES decoded on the calibration prompts with AR alongside (settle_by_decoding; a chain wins ties,
+        the winner re-measured); b > 1: batch 1's tree and the best chain on real batched steps (a speedup at
+        most 1: do not speculate at this size)."""
+        if b == 1 or at_one is None:
+            decode = CalibrationDecodes(self.target, head, rule_obj, self.prompts, settings)
+            ranked = unranked(HEAD_TREES)
+            return settle_by_decoding(ranked, decode, self._rounds(), most=len(ranked))
+        chain = at_one.tree if at_one.is_chain else next(list(t) for t in HEAD_TREES if set(t) == {1})
+        ranked = unranked([at_one.tree, chain] if chain != at_one.tree else [chain])
+        decode = BatchedCalibrationDecodes(self.target, head, rule_obj, self.prompts, settings, rows=b)
+        return settle_by_decoding(ranked, decode, BATCH_SETTLE_ROUNDS, most=len(ranked))

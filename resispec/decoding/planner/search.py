@@ -93,3 +93,14 @@ def plan_tree(
 ) -> Plan:
     """The candidate tree with the highest predicted tokens per second (module docstring; rank_trees)."""
     return rank_trees(cost, alpha, candidates)[0]
+
+
+# a draft head's candidates (no cost or acceptance model: each is decoded, Planner._settle_head): chains of 3-5 and
+# a few trees with a wider root, where a head's first-depth guess is the least sure
+HEAD_TREES = ((1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1, 1), (2, 1, 1), (3, 2, 1))
+
+
+def unranked(trees: Sequence[Sequence[int]]) -> list[Plan]:
+    """Candidate plans with no model figures (tau, step, speedup NaN; tokens per second 0, so every one falls in
+    settle_candidates' band): settle_by_decoding measures them all."""
+    return [Plan(list(t), math.nan, math.nan, 0.0, math.nan) for t in trees]

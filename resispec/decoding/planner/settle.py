@@ -133,9 +133,14 @@ def as_measured(plan: Plan, run: Decoded, ar: Decoded) -> Plan:
         tokens_per_s=run.tokens_per_s,
         speedup=run.tokens_per_s / ar_tps if ar_tps > 0 else 0.0,
         measured=True,
-        tau_model=plan.tau_model if plan.measured else plan.tau,
-        speedup_model=plan.speedup_model if plan.measured else plan.speedup,
+        tau_model=plan.tau_model if plan.measured else _figure(plan.tau),
+        speedup_model=plan.speedup_model if plan.measured else _figure(plan.speedup),
     )
+
+
+def _figure(x: float) -> float | None:
+    """A model figure, None where there is none (NaN: a plan that was never predicted, e.g. a draft head's)."""
+    return None if math.isnan(x) else x
 
 
 def settle_by_decoding(
