@@ -15,7 +15,7 @@ from resispec.verify.auto import AutoProposal
 from resispec.verify.base import Proposal, top_set
 from resispec.verify.distinct import hub_split
 
-GRID, ROUNDS = 63, 9  # the threshold searches: 63 points (6 halvings) per verify call, 9 calls: to 2^-54
+GRID = 63  # the threshold searches: 63 points (6 halvings) per verify call, 9 calls: to 2^-54
 # rows per verify call, ALWAYS (short calls are padded): a row's output may depend on the batch size (resispec's T is
 # located by a grid whose size follows the batch; where g(T) is flat at 0, float noise picks different points of the
 # flat part, all exact but each with its own plan), so every call of one enumeration must see the same batch size
@@ -147,18 +147,20 @@ def enumerate_proposals(rule, q: torch.Tensor, n: int):
 # ---------------------------------------------------------------------------------------------- verification
 
 
-def search_below(pred, count: int) -> torch.Tensor:
+def search_below(pred, count: int, grid: int = GRID) -> torch.Tensor:
     """sup{u in [0, 1]: pred(u)} for `count` predicates that hold exactly below a threshold -> [count], to 2^-54.
-    pred(items [M], u [M]) -> bool [M] evaluates item items[j] at u[j]; a grid of GRID points per round (one call)."""
+    pred(items [M], u [M]) -> bool [M] evaluates item items[j] at u[j]; a grid of `grid` points per round (one
+    call): GRID (9 calls of 63 points per item) where calls are dear, 1 (54 calls, bisection) where rows are."""
     lo = torch.zeros(count, dtype=torch.float64)
     hi = torch.ones(count, dtype=torch.float64)
-    ticks = torch.arange(1, GRID + 1, dtype=torch.float64) / (GRID + 1)
-    items = torch.arange(count).repeat_interleave(GRID)
-    for _ in range(ROUNDS):
+    ticks = torch.arange(1, grid + 1, dtype=torch.float64) / (grid + 1)
+    items = torch.arange(count).repeat_interleave(grid)
+    rounds = -(-54 // ((grid + 1).bit_length() - 1))  # halvings per round: log2(grid + 1)
+    for _ in range(rounds):
         width = hi - lo
         u = (lo[:, None] + width[:, None] * ticks).flatten()
-        below = pred(items, u).view(count, GRID).sum(-1).double()  # the first `below` grid points hold
-        lo, hi = lo + width * below / (GRID + 1), lo + width * (below + 1) / (GRID + 1)
+        below = pred(items, u).view(count, grid).sum(-1).double()  # the first `below` grid points hold
+        lo, hi = lo + width * below / (grid + 1), lo + width * (below + 1) / (grid + 1)
     return hi
 
 
@@ -173,10 +175,13 @@ def tuple_laws(rule, p: torch.Tensor, proposal: Proposal, n: int, chunk: int = C
     return outcome_laws(rule, p, proposal, n, chunk).sum(-1)
 
 
-def outcome_laws(rule, p: torch.Tensor, proposal: Proposal, n: int, chunk: int = CHUNK) -> torch.Tensor:
+def outcome_laws(
+    rule, p: torch.Tensor, proposal: Proposal, n: int, chunk: int = CHUNK, grid: int = GRID
+) -> torch.Tensor:
     """[T, V, 2]: the law of rule.verify's (token, accepted) for each of the proposal's rows (draw tuples), over the
     uniforms; [..., 1] where verify's slot is >= 0 (a draft child accepted: the decoder's walk goes on into it).
-    p: [V] for every row or [T, V] per row. `chunk`: rows per verify call (every call padded to it, see CHUNK)."""
+    p: [V] for every row or [T, V] per row. `chunk`: rows per verify call (every call padded to it, see CHUNK);
+    `grid`: search_below's points per call."""
     rows = proposal.token_ids.shape[0]
     p_rows = p.expand(rows, -1) if p.dim() == 1 else p
     vocab = p_rows.shape[-1]
@@ -243,7 +248,7 @@ def outcome_laws(rule, p: torch.Tensor, proposal: Proposal, n: int, chunk: int =
             if not len(idx_v):
                 continue
             thresholds[idx_v, i] = search_below(
-                lambda items, u, idx_v=idx_v: emits_x(idx_v[items], u), len(idx_v)
+                lambda items, u, idx_v=idx_v: emits_x(idx_v[items], u), len(idx_v), grid
             )
             pending[idx_v] = False
         # rows where no probe shows the test: every path emits x_i either way, so one box [0, 1) serves
@@ -258,7 +263,7 @@ def outcome_laws(rule, p: torch.Tensor, proposal: Proposal, n: int, chunk: int =
     def emits_at_most_v(items, u):
         return verify(rep[items], reject_all(len(items)), u) <= v[items]
 
-    cdf = search_below(emits_at_most_v, rows * vocab).view(rows, vocab)
+    cdf = search_below(emits_at_most_v, rows * vocab, grid).view(rows, vocab)
     residual_law = torch.diff(cdf, dim=1, prepend=torch.zeros(rows, 1, dtype=torch.float64))
     # the slot of each residual token: verify at the middle of its interval
     cells = (residual_law.flatten() > 0).nonzero()[:, 0]
