@@ -7,7 +7,9 @@ outputs of step j-1, teacher-forced tokens). Step j's output at index i predicts
 target's logits at position i+1+j predict, so step j is scored at every response position t with t-1-j >= 0 against
 the target's row t, with the configured loss (resispec.losses.distill_loss_rows: every loss of losses.py, forward KL
 by default) and the positions' weights; the steps are weighted step_decay ** j and averaged with those weights.
-A reduced draft vocabulary scores the target restricted to it (its LM head rows of the draft ids, renormalised).
+A reduced draft vocabulary scores the target restricted to it (its LM head rows of the draft ids, renormalised),
+and only at positions whose target argmax is in it (EAGLE-3's mask: elsewhere the restricted target says little of
+what the target will emit).
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ from resispec.errors import UserError
 from resispec.losses import (
     Rows,
     TargetSignal,
+    acceptance,
     distill_loss_rows,
+    fkl,
     head_swapped,
     loss_weights,
     response_index,
 )
 from resispec.models.head import DraftHead
+from resispec.sampling import log_probs
+from resispec.training.evaluation import simulate_tau
+from resispec.verify import build_rule
 
 
 class HeadTrainingError(UserError, ValueError):
@@ -57,6 +64,14 @@ def build_head(target, draft_cfg, train_rows=None):
     )
 
 
+def in_draft_vocab(head, target_rows: Rows, chunk: int = 1024) -> torch.Tensor:
+    """[N] bool: the target's argmax token of each row is in the head's draft vocabulary (t2d), the full-vocabulary
+    logits built `chunk` rows at a time."""
+    with torch.no_grad():
+        top = [target_rows.logits(slice(s, s + chunk)).argmax(-1) for s in range(0, len(target_rows), chunk)]
+    return head.t2d[torch.cat(top)] if top else torch.zeros(0, dtype=torch.bool, device=head.t2d.device)
+
+
 def head_micro_batch_loss(run, batch: dict[str, torch.Tensor], mask: torch.Tensor):
     """(loss, stats) of one micro-batch for a head (module docstring); batch already trimmed, mask [B, T-1]."""
     acc, job = run.accelerator, run.job
@@ -76,6 +91,10 @@ def head_micro_batch_loss(run, batch: dict[str, torch.Tensor], mask: torch.Tenso
         None if lm_head.bias is None else lm_head.bias[head.draft_to_target if head.reduced else slice(None)]
     )
     weights = loss_weights(mask, job.loss, job.decode)[mask.bool()]  # [N]
+    if head.reduced:  # EAGLE-3's mask: no loss where the target's argmax is outside the draft vocabulary
+        weights = weights * in_draft_vocab(head, Rows(t_rows, lm_head.weight, lm_head.bias, half)).to(
+            weights.dtype
+        )
     cfg = job.draft.head
     with acc.autocast():
         outs = run.draft(input_ids=ids, features=feats, ttt_steps=cfg.ttt_steps)  # [B, T, H] per step
@@ -93,3 +112,72 @@ def head_micro_batch_loss(run, batch: dict[str, torch.Tensor], mask: torch.Tenso
         total, w_total = total + w * value, w_total + w
         stats = stats or step_stats  # fkl of step 0 (what the standalone draft logs)
     return total / max(w_total, 1e-12), stats
+
+
+# ---------------------------------------------------------------- held-out evaluation of a head, depth by depth
+@torch.no_grad()
+def head_heldout_logprobs(head, target, ids: torch.Tensor, num_prompt: int, depth: int, decode):
+    """(log p [R, V], [log q_d [R, V] for d < depth]) of one held-out sequence (prompt + response, R response
+    tokens): the target's row t (predicting token t+1) and, for the same token, the head's training-time-test step
+    d at index t-1-d, i.e. the depth-d node of a chain rooted at t-d whose ancestors are the sequence's own
+    tokens (the unroll equals decoding on every tree node: tests/unit/test_head.py). Rows whose index would be
+    negative (a prompt shorter than the depth) reuse index 0. Both after the decode processing (resispec.sampling
+    .log_probs)."""
+    x = ids.to(head.device)[None]
+    out = target(input_ids=x, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i] for i in head.layers], dim=-1)
+    rows = torch.arange(
+        num_prompt - 1, x.shape[1] - 1, device=x.device
+    )  # target rows predicting the response
+    log_p = log_probs(out.logits[0, rows], decode.temperature, decode.top_k, decode.top_p)
+    outs = head.ttt(feats, x, depth)
+    log_q = [
+        log_probs(
+            head.target_logits(h[0, (rows - 1 - d).clamp(min=0)]),
+            decode.temperature,
+            decode.top_k,
+            decode.top_p,
+        )
+        for d, h in enumerate(outs)
+    ]
+    return log_p, log_q
+
+
+@torch.no_grad()
+def evaluate_head(run) -> dict:
+    """`resispec.training.evaluation.evaluate`'s metrics for a head, with each depth scored by its own unroll step
+    (`head_heldout_logprobs`; a standalone draft's depths all read the same q): alpha per rule and n and fkl of
+    depth 0, per-depth acceptance and simulated tau along decode.fixed_tree. Every process evaluates every
+    sequence (the head is small), so all return the same metrics."""
+    acc, job = run.accelerator, run.job
+    decode = job.decode
+    tree = [int(n) for n in decode.fixed_tree]
+    ns = sorted(set(tree))
+    head = acc.unwrap_model(run.draft)
+    was_training = head.training
+    head.eval()
+    rule_objs = {r: build_rule(r, decode.auto_policy) for r in run.rules}
+    lengths, fkls = [], []
+    alphas = {
+        r: {n: [[] for _ in tree] for n in ns} for r in run.rules
+    }  # [rule][n][depth] -> [R] per sequence
+    for ids, num_prompt in run.eval_seqs:
+        with acc.autocast():
+            log_p, log_q = head_heldout_logprobs(head, run.target, ids, num_prompt, len(tree), decode)
+        log_p, log_q = log_p.float(), [q.float() for q in log_q]
+        lengths.append(log_p.shape[0])
+        fkls.append(fkl(log_p, log_q[0]).cpu())
+        p = log_p.exp()
+        for d, lq in enumerate(log_q):
+            q = lq.exp()
+            for r, rule in rule_objs.items():
+                for n in ns:
+                    alphas[r][n][d].append(acceptance(rule, p, q, n).float().cpu())
+    head.train(was_training)
+    out: dict = {"num_positions": int(sum(lengths)), "fkl": torch.cat(fkls).mean().item()}
+    out["alpha"], out["per_depth"], out["tau"] = {}, {}, {}
+    for r in run.rules:
+        by = {n: [torch.cat(a) for a in alphas[r][n]] for n in ns}
+        out["alpha"][r] = {str(n): by[n][0].mean().item() for n in ns}
+        out["tau"][r], out["per_depth"][r] = simulate_tau([by[n][d] for d, n in enumerate(tree)], lengths)
+    return out

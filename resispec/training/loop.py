@@ -57,7 +57,7 @@ from resispec.training.evaluation import (
     shard_sequences,
     target_eval_logprobs,
 )
-from resispec.training.head_step import build_head, check_head_job, head_micro_batch_loss
+from resispec.training.head_step import build_head, check_head_job, evaluate_head, head_micro_batch_loss
 from resispec.training.memory_plan import check_fits, run_plan
 from resispec.training.schedule import resolve_schedule
 from resispec.training.signal import attach_cache, build_cache_sharded, cache_key, cached_signal
@@ -497,6 +497,9 @@ def _micro_batch_loss(run: _Run, batch: dict[str, torch.Tensor], mask: torch.Ten
 
 
 def _evaluate(run: _Run) -> dict:
+    # a head: each depth scored by its own unroll step (resispec/training/head_step.py)
+    if run.job.draft.kind == "head":
+        return evaluate_head(run)
     # the wrapped draft: under FSDP / ZeRO-3 only it can run a forward; each process evaluates its share
     return evaluate_sharded(
         run.accelerator,

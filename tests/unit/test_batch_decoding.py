@@ -285,7 +285,7 @@ def test_batched_spec_joint_law_inside_a_mixed_batch(rule):
     """The batch-1 joint-law test (test_decoding_exactness) for rows decoded in batches of 10 observed rows plus a
     greedy and a cooler neighbour with longer prompts."""
     from tests.unit import test_decoding_exactness as ex
-    from tests.unit.test_decoding_helpers import noisy_copy
+    from tests.unit.test_decoding_helpers import mixed_batch_joint_counts, noisy_copy
 
     # attending, as test_decoding_exactness's world: a position off by one moves the law (~1e-4 TV without it)
     target = micro_llama(32, 1, ex.VOCAB, seed=0, scale=24.0, attention_gain=(8.0, 4.0))
@@ -294,32 +294,8 @@ def test_batched_spec_joint_law_inside_a_mixed_batch(rule):
     num = 300
     crit = ex.powered_critical_value(joint, ex.exact_joint(draft), num)
     bs = BatchedSpeculativeDecoder(target, draft, rule=rule, tree=ex.TREE)
-    counts = torch.zeros(ex.VOCAB**3, dtype=torch.long)
     seed = 1000 * sorted(VERIFIERS).index(rule)
-    for start in range(0, num, 10):
-        rows = [
-            bs.add(
-                ex.PROMPT[0],
-                max_new_tokens=3,
-                eos_token_id=[],
-                generator=torch.Generator().manual_seed(seed + i),
-                **ex.SETTINGS,
-            )
-            for i in range(start, start + 10)
-        ]
-        bs.add([1, 2, 3, 4], max_new_tokens=5, temperature=0.0, eos_token_id=[])
-        bs.add(
-            [5, 6],
-            max_new_tokens=4,
-            temperature=0.5,
-            eos_token_id=[],
-            generator=torch.Generator().manual_seed(start),
-        )
-        while bs.rows:
-            bs.step()
-        for row in rows:
-            a, b, c = row.generated
-            counts[(a * ex.VOCAB + b) * ex.VOCAB + c] += 1
+    counts = mixed_batch_joint_counts(bs, ex.PROMPT[0], ex.VOCAB, num, seed, ex.SETTINGS)
     stat, df = ex.pearson(counts.reshape(ex.VOCAB, ex.VOCAB, ex.VOCAB), joint, num)
     assert stat < crit, f"{rule}: X^2 = {stat:.1f} >= {crit:.1f} (df {df}) inside a mixed batch"
 

@@ -102,3 +102,36 @@ def one_thread_per_module():
     """single_thread() for a whole test module: import it into the module (an autouse fixture)."""
     with single_thread():
         yield
+
+
+def mixed_batch_joint_counts(bs, prompt, vocab: int, num: int, seed: int, settings: dict) -> torch.Tensor:
+    """Counts [vocab**3] of the 3 tokens after `prompt` over `num` rows decoded by the batched decoder `bs` in
+    batches of 10 observed rows (row i seeded seed + i, sampled with `settings`) plus a greedy and a cooler
+    neighbour with other prompts and lengths: the mixed-batch joint-law tests' loop (test_batch_decoding with a
+    draft, test_head with a head)."""
+    counts = torch.zeros(vocab**3, dtype=torch.long)
+    for start in range(0, num, 10):
+        rows = [
+            bs.add(
+                prompt,
+                max_new_tokens=3,
+                eos_token_id=[],
+                generator=torch.Generator().manual_seed(seed + i),
+                **settings,
+            )
+            for i in range(start, start + 10)
+        ]
+        bs.add([1, 2, 3, 4], max_new_tokens=5, temperature=0.0, eos_token_id=[])
+        bs.add(
+            [5, 6],
+            max_new_tokens=4,
+            temperature=0.5,
+            eos_token_id=[],
+            generator=torch.Generator().manual_seed(start),
+        )
+        while bs.rows:
+            bs.step()
+        for row in rows:
+            a, b, c = row.generated
+            counts[(a * vocab + b) * vocab + c] += 1
+    return counts

@@ -16,7 +16,11 @@ from resispec.decoding.tree import DraftTree, max_tree_nodes
 from resispec.models.head import DraftHead, HeadConfigError, default_layers, is_head_dir
 from resispec.verify import VERIFIERS
 from tests.unit import test_decoding_exactness as exactness
-from tests.unit.test_decoding_helpers import micro_llama, one_thread_per_module  # noqa: F401 (autouse fixture)
+from tests.unit.test_decoding_helpers import (  # noqa: F401 (one_thread_per_module: autouse fixture)
+    micro_llama,
+    mixed_batch_joint_counts,
+    one_thread_per_module,
+)
 
 VOCAB = 16
 SHAPES = [[1, 1, 1, 1], [4, 2, 1], [3, 3, 3], [2, 2, 2, 2]]
@@ -120,6 +124,47 @@ def test_reduced_vocabulary_maps_ids(target):
     assert head.draft_to_target.tolist() == list(range(10, 16)) and int(head.t2d.sum()) == 6
     logits = head.target_logits(torch.randn(2, 32))
     assert logits.shape == (2, VOCAB) and bool((logits[:, :10] == torch.finfo(logits.dtype).min).all())
+
+
+def test_reduced_vocabulary_loss_mask_drops_out_of_vocabulary_targets(target):
+    """EAGLE-3's loss mask: a position counts only where the target's argmax is in the draft vocabulary."""
+    from resispec.losses import Rows
+    from resispec.training.head_step import in_draft_vocab
+
+    head = DraftHead.from_target(
+        target, draft_vocab_size=6, token_counts=torch.arange(VOCAB, dtype=torch.float64)
+    )
+    lm_head = target.get_output_embeddings()
+    rows = torch.randn(40, 32)
+    top = (rows @ lm_head.weight.T).argmax(-1)
+    got = in_draft_vocab(head, Rows(rows, lm_head.weight, lm_head.bias), chunk=7)
+    assert got.tolist() == (top >= 10).tolist() and 0 < int(got.sum()) < 40
+
+
+def test_heldout_depth0_is_the_causal_view(target, head):
+    """The held-out evaluation's depth 0 (the unroll's step 0 at index t-1) is the head's causal view at row t;
+    depth d reads step d at index t-1-d (the unroll equals decoding on every node: test above)."""
+    from resispec.decoding.config import DecodeConfig
+    from resispec.training.head_step import head_heldout_logprobs
+
+    ids = torch.tensor([3, 5, 1, 7, 2, 9, 4, 4, 11])
+    dec = DecodeConfig()
+    with torch.no_grad():
+        log_p, log_q = head_heldout_logprobs(head, target, ids, 4, 3, dec)
+        view = head(ids[None]).logits[0, 3:-1].log_softmax(-1)
+        ttt = head.ttt(
+            torch.cat(
+                [target(ids[None], output_hidden_states=True).hidden_states[i] for i in head.layers], -1
+            ),
+            ids[None],
+            3,
+        )
+    assert len(log_q) == 3 and log_p.shape == log_q[0].shape == (5, VOCAB)
+    torch.testing.assert_close(log_q[0], view, atol=1e-5, rtol=0)
+    rows = torch.arange(3, 8)  # target rows of the 5 response tokens
+    torch.testing.assert_close(
+        log_q[2], head.target_logits(ttt[2][0, rows - 3]).log_softmax(-1), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
@@ -313,30 +358,6 @@ def test_batched_head_joint_law_inside_a_mixed_batch(target, head, law):
     num = 300
     crit = exactness.powered_critical_value(joint, wrong, num)
     bs = BatchedSpeculativeDecoder(target, head, rule="resispec", tree=[2, 2, 1])
-    counts = torch.zeros(VOCAB**3, dtype=torch.long)
-    for start in range(0, num, 10):
-        rows = [
-            bs.add(
-                HEAD_PROMPT[0],
-                max_new_tokens=3,
-                eos_token_id=[],
-                generator=torch.Generator().manual_seed(5000 + i),
-                **exactness.SETTINGS,
-            )
-            for i in range(start, start + 10)
-        ]
-        bs.add([1, 2, 3, 4], max_new_tokens=5, temperature=0.0, eos_token_id=[])
-        bs.add(
-            [5, 6],
-            max_new_tokens=4,
-            temperature=0.5,
-            eos_token_id=[],
-            generator=torch.Generator().manual_seed(start),
-        )
-        while bs.rows:
-            bs.step()
-        for row in rows:
-            a, b, c = row.generated
-            counts[(a * VOCAB + b) * VOCAB + c] += 1
+    counts = mixed_batch_joint_counts(bs, HEAD_PROMPT[0], VOCAB, num, 5000, exactness.SETTINGS)
     stat, df = exactness.pearson(counts.reshape(VOCAB, VOCAB, VOCAB), joint, num)
     assert stat < crit, f"X^2 = {stat:.1f} >= {crit:.1f} (df {df}) inside a mixed batch with the head"
