@@ -168,6 +168,68 @@ def _vllm_responses(
         return [r for part in pool.map(share, range(n)) for r in part]
 
 
+def _regen_meta(target, tokenizer, prompts, regen: RegenConfig, target_id: str, model_dir: str | None):
+    """(cache meta, the eos ids that end a response): the key covers the target (id + weight fingerprint), the
+    sampling settings, the prompt-set hash and, when there are several, the eos ids."""
+    vllm = regen.engine == "vllm"
+    meta = {
+        "format": REGEN_FORMAT,
+        "target_id": target_id or model_dir or _model_dir(target),
+        "weights": files_fingerprint(model_dir) if vllm else weights_fingerprint(target),
+        "regen": _regen_key(regen),
+        "prompt_set_hash": prompt_set_hash(prompts),
+        "num_prompts": len(prompts),
+    }
+    stops = eos_ids(tokenizer, target, model_dir)
+    if len(stops) > 1:  # several eos ids change the responses; a single one keeps the keys cached sets have
+        meta["eos_ids"] = stops
+    return meta, stops
+
+
+def _responses(target, tokenizer, prompt_ids, indices, regen: RegenConfig, model_dir, stops, bar) -> list:
+    """[(prompt index, response ids)] of this process's `indices`, longest prompts first."""
+    order = sorted(indices, key=lambda i: -len(prompt_ids[i]))  # similar lengths share a batch: less padding
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    results: list[tuple[int, list[int]]] = []
+    if regen.engine == "vllm":  # one call: vLLM's continuous batching decides the batches
+        if order:
+            responses = _vllm_responses(model_dir, [list(prompt_ids[i]) for i in order], regen, stops)
+            results.extend(zip(order, responses, strict=True))
+        bar.update(len(order))
+    elif regen.engine == "hf":
+        for b in range(0, len(order), regen.batch_size):
+            batch = order[b : b + regen.batch_size]
+            torch.manual_seed(regen.seed * 1_000_003 + batch[0])
+            responses = _generate_batch(target, [list(prompt_ids[i]) for i in batch], regen, pad_id, stops)
+            results.extend(zip(batch, responses, strict=True))
+            bar.update(len(batch))
+    else:
+        raise ValueError(f"data.regen.engine must be hf or vllm, got {regen.engine!r}")
+    return results
+
+
+def _save_regenerated(
+    folder: Path, meta: dict, prompt_ids, results, seconds: float, num_processes: int
+) -> None:
+    """The dataset and its meta.json written to a temporary folder, then renamed into place."""
+    out = datasets.Dataset.from_dict(
+        {"prompt_ids": [list(prompt_ids[i]) for i, _ in results], "response_ids": [r for _, r in results]}
+    )
+    tmp = folder.parent / f"{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    out.save_to_disk(str(tmp / "dataset"))
+    record = {
+        **meta,
+        "seconds": round(seconds, 1),
+        "num_processes": num_processes,
+        "response_tokens": int(sum(len(r) for _, r in results)),
+    }
+    (tmp / "meta.json").write_text(json.dumps(record, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
 def regenerate(
     target,
     tokenizer,
@@ -193,73 +255,32 @@ def regenerate(
         model_dir = model_dir or _model_dir(target)
     elif target is None:
         raise ValueError("regeneration with data.regen.engine=hf needs the loaded target")
-    meta = {
-        "format": REGEN_FORMAT,
-        "target_id": target_id or model_dir or _model_dir(target),
-        "weights": files_fingerprint(model_dir) if vllm else weights_fingerprint(target),
-        "regen": _regen_key(regen),
-        "prompt_set_hash": prompt_set_hash(prompts),
-        "num_prompts": len(prompts),
-    }
-    stops = eos_ids(tokenizer, target, model_dir)
-    if len(stops) > 1:  # several eos ids change the responses; a single one keeps the keys cached sets have
-        meta["eos_ids"] = stops
+    meta, stops = _regen_meta(target, tokenizer, prompts, regen, target_id, model_dir)
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache_dir).expanduser() / f"regen-{key}"
     if (folder / "meta.json").exists():
         return datasets.load_from_disk(str(folder / "dataset"))
 
     is_main = accelerator is None or accelerator.is_main_process
+    num_processes = accelerator.num_processes if accelerator is not None else 1
     indices = list(range(len(prompts)))
     if vllm and not is_main:
         indices = []  # one vLLM run (the main process's, spread over the GPUs); the others wait for it
-    elif not vllm and accelerator is not None and accelerator.num_processes > 1:
+    elif not vllm and num_processes > 1:
         with accelerator.split_between_processes(indices) as mine:
             indices = list(mine)
     prompt_ids = prompts["prompt_ids"]
-    order = sorted(indices, key=lambda i: -len(prompt_ids[i]))  # similar lengths share a batch: less padding
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    results: list[tuple[int, list[int]]] = []
     start = time.perf_counter()
-    bar = tqdm(total=len(order), desc="regenerate", disable=not (progress and is_main), dynamic_ncols=True)
-    if vllm:  # one call: vLLM's continuous batching decides the batches
-        if order:
-            responses = _vllm_responses(model_dir, [list(prompt_ids[i]) for i in order], regen, stops)
-            results.extend(zip(order, responses, strict=True))
-        bar.update(len(order))
-    elif regen.engine == "hf":
-        for b in range(0, len(order), regen.batch_size):
-            batch = order[b : b + regen.batch_size]
-            torch.manual_seed(regen.seed * 1_000_003 + batch[0])
-            responses = _generate_batch(target, [list(prompt_ids[i]) for i in batch], regen, pad_id, stops)
-            results.extend(zip(batch, responses, strict=True))
-            bar.update(len(batch))
-    else:
-        raise ValueError(f"data.regen.engine must be hf or vllm, got {regen.engine!r}")
+    bar = tqdm(total=len(indices), desc="regenerate", disable=not (progress and is_main), dynamic_ncols=True)
+    results = _responses(target, tokenizer, prompt_ids, indices, regen, model_dir, stops, bar)
     bar.close()
-    if accelerator is not None and accelerator.num_processes > 1:
+    if num_processes > 1:
         from accelerate.utils import gather_object
 
         results = gather_object(results)
     results = sorted(results, key=lambda r: r[0])
-    seconds = time.perf_counter() - start
     if is_main:
-        out = datasets.Dataset.from_dict(
-            {"prompt_ids": [list(prompt_ids[i]) for i, _ in results], "response_ids": [r for _, r in results]}
-        )
-        tmp = folder.parent / f"{folder.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        out.save_to_disk(str(tmp / "dataset"))
-        record = {
-            **meta,
-            "seconds": round(seconds, 1),
-            "num_processes": accelerator.num_processes if accelerator is not None else 1,
-            "response_tokens": int(sum(len(r) for _, r in results)),
-        }
-        (tmp / "meta.json").write_text(json.dumps(record, indent=2))
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
+        _save_regenerated(folder, meta, prompt_ids, results, time.perf_counter() - start, num_processes)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     return datasets.load_from_disk(str(folder / "dataset"))
