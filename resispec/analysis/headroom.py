@@ -232,25 +232,8 @@ def evaluate_split(
     return out
 
 
-def run(
-    cfg: HeadroomConfig,
-    target_cfg: ModelConfig,
-    draft_cfg: ModelConfig,
-    world: WorldConfig,
-    out_dir: str | Path,
-    command: str = "python bench/headroom.py",
-) -> dict:
-    """Steps 1-4 of the module docstring for the (target, draft) pair; writes the report into `out_dir`."""
-    torch.manual_seed(cfg.seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
-    target.eval()
-    draft.eval()
-    splits = stdlib_splits(world)
-    rules = cfg.rules or [r for r in sorted(VERIFIERS) if r != AUTO and not VERIFIERS[r].greedy_only]
-    rules = [r for r in rules if r != AUTO]
-    temperatures, draws = list(cfg.temperatures), list(cfg.draws)
+def _logged_splits(cfg: HeadroomConfig, target, draft, tokenizer, splits) -> dict:
+    """split -> (target logits, draft logits) at the positions sampled from the calibration and eval splits."""
     logged = {}
     for split, num in (
         (cfg.calibration_split, cfg.calibration_positions or cfg.positions),
@@ -261,24 +244,12 @@ def run(
         )
         lt, ld = collect_logits(target, draft, wins, cfg.per_window, cfg.min_context, cfg.seed)
         logged[split] = (lt[:num], ld[:num])
-    candidates = [c for c in cfg.candidates if c in rules]
-    calib_rules = [r for r in rules if r == "resispec" or r in candidates]
-    t0 = time.time()
-    with tqdm(total=2 * len(temperatures) * len(draws), desc="alpha per rule") as bar:
-        calib = evaluate_split(
-            *logged[cfg.calibration_split],
-            temperatures,
-            draws,
-            calib_rules,
-            cfg.samples,
-            cfg.seed,
-            bar,
-            False,
-        )
-        test = evaluate_split(
-            *logged[cfg.eval_split], temperatures, draws, rules, cfg.samples, cfg.seed + 1, bar
-        )
-    policy = calibrate_policy(calib, draws, candidates=tuple(candidates))
+    return logged
+
+
+def _summaries(test: dict, policy: AutoPolicy) -> tuple[dict, dict]:
+    """(summary per "n=..,T=..", the share of nodes the policy sends to the distinct rule): each rule's measured
+    alpha, plus resispec_auto's (per node, by the calibrated policy) and the per-node oracle max."""
     summary, branch_share = {}, {}
     for (t, n), r in test.items():
         per_node = dict(r["per_node"])
@@ -298,6 +269,48 @@ def run(
         }
         summary[f"n={n},T={t}"] = summarize(per_node)
         branch_share[f"n={n},T={t}"] = float(mask.double().mean())
+    return summary, branch_share
+
+
+def run(
+    cfg: HeadroomConfig,
+    target_cfg: ModelConfig,
+    draft_cfg: ModelConfig,
+    world: WorldConfig,
+    out_dir: str | Path,
+    command: str = "python bench/headroom.py",
+) -> dict:
+    """Steps 1-4 of the module docstring for the (target, draft) pair; writes the report into `out_dir`."""
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
+    target.eval()
+    draft.eval()
+    splits = stdlib_splits(world)
+    rules = cfg.rules or [r for r in sorted(VERIFIERS) if r != AUTO and not VERIFIERS[r].greedy_only]
+    rules = [r for r in rules if r != AUTO]
+    temperatures, draws = list(cfg.temperatures), list(cfg.draws)
+    logged = _logged_splits(cfg, target, draft, tokenizer, splits)
+    candidates = [c for c in cfg.candidates if c in rules]
+    calib_rules = [r for r in rules if r == "resispec" or r in candidates]
+    t0 = time.time()
+    with tqdm(total=2 * len(temperatures) * len(draws), desc="alpha per rule") as bar:
+        calib = evaluate_split(
+            *logged[cfg.calibration_split],
+            temperatures,
+            draws,
+            calib_rules,
+            cfg.samples,
+            cfg.seed,
+            bar,
+            False,
+        )
+        test = evaluate_split(
+            *logged[cfg.eval_split], temperatures, draws, rules, cfg.samples, cfg.seed + 1, bar
+        )
+    policy = calibrate_policy(calib, draws, candidates=tuple(candidates))
+    summary, branch_share = _summaries(test, policy)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = markdown_table(summary, rules, temperatures, draws)
