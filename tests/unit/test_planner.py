@@ -267,6 +267,19 @@ def test_the_winner_is_remeasured_on_fresh_rounds():
     assert "chosen at 1.80x" in plan.describe()
 
 
+def test_the_remeasured_speedup_shrugs_off_one_slow_decode():
+    """The re-measured speedup is the median of the fresh rounds' own ratios: one AR decode caught by another
+    process's burst (4x slower) does not move it, where a ratio of the sums would read 1.5x -> 2.4x."""
+
+    def decode(tree, rnd):
+        slow = tree is None and rnd == 5  # one fresh round's AR decode, 4x slower
+        tps = 100.0 / (4 if slow else 1) if tree is None else 150.0
+        return Decoded(48, 20, 28, 48 / tps)
+
+    plan = settle_by_decoding([_plan([1, 1], 150)], decode, rounds=4)
+    assert plan.speedup == pytest.approx(1.5) and plan.tokens_per_s == pytest.approx(150.0)
+
+
 def test_a_chain_is_always_decoded_and_wins_ties():
     """A chain is decoded even when the model clearly prefers a tree; a tree must measure more than TIE_MARGIN
     faster than the best chain, so an exact tie, or a tree 1% ahead, goes to the chain."""
