@@ -153,6 +153,25 @@ def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
+def _positions_and_mask(input_ids: torch.Tensor, attention_mask, position_ids, cache) -> tuple:
+    """(position ids [B, Q], the mask): positions after the cache when none are given; without a mask, Q > 1 new
+    tokens after a non-empty cache get the causal one aligned to the cache's end (an empty cache: SDPA's is_causal)."""
+    if cache is None:
+        raise ValueError("the fast forward needs a cache (resispec.decoding.kv_cache.new_cache)")
+    if attention_mask is not None and attention_mask.dim() != 4:
+        raise ValueError("the fast forward takes a 4D attention mask [B, 1, Q, KV] or None")
+    bsz, num_q = input_ids.shape
+    past = cache.get_seq_length()
+    if position_ids is None:
+        position_ids = torch.arange(past, past + num_q, device=input_ids.device)[None].expand(bsz, -1)
+    if attention_mask is None and num_q > 1 and past > 0:  # causal, aligned to the end of the cache
+        col = torch.arange(past + num_q, device=input_ids.device)
+        attention_mask = (col[None, :] <= past + torch.arange(num_q, device=input_ids.device)[:, None])[
+            None, None
+        ]
+    return position_ids, attention_mask
+
+
 class FastCausalLM:
     """Cached forward of a Llama-family `model` (see the module docstring), reading the model's own parameters."""
 
@@ -254,23 +273,11 @@ class FastCausalLM:
         cache=None,  # DynamicCache (resispec.decoding.kv_cache.new_cache), extended in place
         use_cache: bool = True,
         logits_to_keep: int = 0,
-        capture: tuple[int, ...]
-        | None = None,  # layer ids whose input states to return (a draft head's features)
+        capture: tuple[int, ...] | None = None,  # layers whose input states to return (a head's features)
         **_,
     ) -> FastOutput:
-        if cache is None:
-            raise ValueError("the fast forward needs a cache (resispec.decoding.kv_cache.new_cache)")
-        if attention_mask is not None and attention_mask.dim() != 4:
-            raise ValueError("the fast forward takes a 4D attention mask [B, 1, Q, KV] or None")
         bsz, num_q = input_ids.shape
-        past = cache.get_seq_length()
-        if position_ids is None:
-            position_ids = torch.arange(past, past + num_q, device=input_ids.device)[None].expand(bsz, -1)
-        if attention_mask is None and num_q > 1 and past > 0:  # causal, aligned to the end of the cache
-            col = torch.arange(past + num_q, device=input_ids.device)
-            attention_mask = (col[None, :] <= past + torch.arange(num_q, device=input_ids.device)[:, None])[
-                None, None
-            ]
+        position_ids, attention_mask = _positions_and_mask(input_ids, attention_mask, position_ids, cache)
         causal = attention_mask is None and num_q > 1
         wxt = input_ids.device.type == "cpu"
         x = F.embedding(input_ids, self.embed)
