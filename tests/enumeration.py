@@ -15,7 +15,6 @@ from resispec.verify.auto import AutoProposal
 from resispec.verify.base import Proposal, top_set
 from resispec.verify.distinct import hub_split
 
-GRID = 63  # the threshold searches: 63 points (6 halvings) per verify call, 9 calls: to 2^-54
 # rows per verify call, ALWAYS (short calls are padded): a row's output may depend on the batch size (resispec's T is
 # located by a grid whose size follows the batch; where g(T) is flat at 0, float noise picks different points of the
 # flat part, all exact but each with its own plan), so every call of one enumeration must see the same batch size
@@ -147,10 +146,13 @@ def enumerate_proposals(rule, q: torch.Tensor, n: int):
 # ---------------------------------------------------------------------------------------------- verification
 
 
-def search_below(pred, count: int, grid: int = GRID) -> torch.Tensor:
+def search_below(pred, count: int, grid: int | None = None, chunk: int = CHUNK) -> torch.Tensor:
     """sup{u in [0, 1]: pred(u)} for `count` predicates that hold exactly below a threshold -> [count], to 2^-54.
-    pred(items [M], u [M]) -> bool [M] evaluates item items[j] at u[j]; a grid of `grid` points per round (one
-    call): GRID (9 calls of 63 points per item) where calls are dear, 1 (54 calls, bisection) where rows are."""
+    pred(items [M], u [M]) -> bool [M] evaluates item items[j] at u[j], `chunk` rows per verify call; a grid of
+    `grid` points per round (2^k - 1: k halvings a round). None: the grid that makes the fewest rows in all,
+    calls padded to `chunk` (few items: 63 points, 9 rounds; thousands: bisection, 54 rounds)."""
+    if grid is None:
+        grid = min((1, 3, 7, 15, 31, 63), key=lambda g: -(-54 // g.bit_length()) * -(-count * g // chunk))
     lo = torch.zeros(count, dtype=torch.float64)
     hi = torch.ones(count, dtype=torch.float64)
     ticks = torch.arange(1, grid + 1, dtype=torch.float64) / (grid + 1)
@@ -176,12 +178,12 @@ def tuple_laws(rule, p: torch.Tensor, proposal: Proposal, n: int, chunk: int = C
 
 
 def outcome_laws(
-    rule, p: torch.Tensor, proposal: Proposal, n: int, chunk: int = CHUNK, grid: int = GRID
+    rule, p: torch.Tensor, proposal: Proposal, n: int, chunk: int = CHUNK, grid: int | None = None
 ) -> torch.Tensor:
     """[T, V, 2]: the law of rule.verify's (token, accepted) for each of the proposal's rows (draw tuples), over the
     uniforms; [..., 1] where verify's slot is >= 0 (a draft child accepted: the decoder's walk goes on into it).
     p: [V] for every row or [T, V] per row. `chunk`: rows per verify call (every call padded to it, see CHUNK);
-    `grid`: search_below's points per call."""
+    `grid`: search_below's points per round (None: its choice)."""
     rows = proposal.token_ids.shape[0]
     p_rows = p.expand(rows, -1) if p.dim() == 1 else p
     vocab = p_rows.shape[-1]
@@ -248,7 +250,7 @@ def outcome_laws(
             if not len(idx_v):
                 continue
             thresholds[idx_v, i] = search_below(
-                lambda items, u, idx_v=idx_v: emits_x(idx_v[items], u), len(idx_v), grid
+                lambda items, u, idx_v=idx_v: emits_x(idx_v[items], u), len(idx_v), grid, chunk
             )
             pending[idx_v] = False
         # rows where no probe shows the test: every path emits x_i either way, so one box [0, 1) serves
@@ -263,7 +265,7 @@ def outcome_laws(
     def emits_at_most_v(items, u):
         return verify(rep[items], reject_all(len(items)), u) <= v[items]
 
-    cdf = search_below(emits_at_most_v, rows * vocab, grid).view(rows, vocab)
+    cdf = search_below(emits_at_most_v, rows * vocab, grid, chunk).view(rows, vocab)
     residual_law = torch.diff(cdf, dim=1, prepend=torch.zeros(rows, 1, dtype=torch.float64))
     # the slot of each residual token: verify at the middle of its interval
     cells = (residual_law.flatten() > 0).nonzero()[:, 0]

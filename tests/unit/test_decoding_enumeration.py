@@ -208,7 +208,7 @@ class Enumerator:
             rows = list(items.values())
             p = torch.stack([row[0] for row in rows])
             prop = type(rows[0][1]).cat([row[1] for row in rows])
-            law = outcome_laws(self.rule, p, prop, n, chunk=CHUNK, grid=1)
+            law = outcome_laws(self.rule, p, prop, n, chunk=CHUNK)
             for (_, _, users), row_law in zip(rows, law, strict=True):
                 for plan, node in users:
                     laws[id(plan)][node] = row_law
