@@ -51,7 +51,8 @@ def check_head_job(job) -> None:
 
 def build_head(target, draft_cfg, train_rows=None):
     """A fresh head on `target` (DraftHead.from_target) from draft.head; a reduced vocabulary counts the training
-    responses' tokens."""
+    responses' tokens. Its initialisation seed comes from torch's generator, which the loop seeds with train.seed
+    (so seeds differ in the head's start as in the data order)."""
     cfg = draft_cfg.head
     counts = None
     if cfg.draft_vocab_size and train_rows is not None:
@@ -60,7 +61,12 @@ def build_head(target, draft_cfg, train_rows=None):
             ids = torch.as_tensor(list(row["response_ids"]), dtype=torch.long)
             counts += torch.bincount(ids, minlength=counts.numel())[: counts.numel()].double()
     return DraftHead.from_target(
-        target, cfg.layers, cfg.draft_vocab_size, cfg.intermediate_size, token_counts=counts
+        target,
+        cfg.layers,
+        cfg.draft_vocab_size,
+        cfg.intermediate_size,
+        token_counts=counts,
+        seed=int(torch.randint(2**31 - 1, ())),
     )
 
 
@@ -158,9 +164,8 @@ def evaluate_head(run) -> dict:
     head.eval()
     rule_objs = {r: build_rule(r, decode.auto_policy) for r in run.rules}
     lengths, fkls = [], []
-    alphas = {
-        r: {n: [[] for _ in tree] for n in ns} for r in run.rules
-    }  # [rule][n][depth] -> [R] per sequence
+    first = {r: {n: [] for n in ns} for r in run.rules}  # depth 0 at every n: [rule][n] -> [R] per sequence
+    deeper = {r: [[] for _ in tree[1:]] for r in run.rules}  # depth d >= 1 at its own n: [rule][d-1]
     for ids, num_prompt in run.eval_seqs:
         with acc.autocast():
             log_p, log_q = head_heldout_logprobs(head, run.target, ids, num_prompt, len(tree), decode)
@@ -171,13 +176,17 @@ def evaluate_head(run) -> dict:
         for d, lq in enumerate(log_q):
             q = lq.exp()
             for r, rule in rule_objs.items():
-                for n in ns:
-                    alphas[r][n][d].append(acceptance(rule, p, q, n).float().cpu())
+                if d == 0:
+                    for n in ns:
+                        first[r][n].append(acceptance(rule, p, q, n).float().cpu())
+                else:
+                    deeper[r][d - 1].append(acceptance(rule, p, q, tree[d]).float().cpu())
     head.train(was_training)
     out: dict = {"num_positions": int(sum(lengths)), "fkl": torch.cat(fkls).mean().item()}
     out["alpha"], out["per_depth"], out["tau"] = {}, {}, {}
     for r in run.rules:
-        by = {n: [torch.cat(a) for a in alphas[r][n]] for n in ns}
-        out["alpha"][r] = {str(n): by[n][0].mean().item() for n in ns}
-        out["tau"][r], out["per_depth"][r] = simulate_tau([by[n][d] for d, n in enumerate(tree)], lengths)
+        by = {n: torch.cat(first[r][n]) for n in ns}
+        out["alpha"][r] = {str(n): by[n].mean().item() for n in ns}
+        per = [by[tree[0]], *(torch.cat(a) for a in deeper[r])]
+        out["tau"][r], out["per_depth"][r] = simulate_tau(per, lengths)
     return out
