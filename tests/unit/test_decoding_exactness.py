@@ -118,8 +118,9 @@ def test_joint_law_of_three_tokens_on_a_chain(rule, world):
 # position off by one. The plant: the target's verify forward puts every tree node one position too far (the root
 # stays right). The joint-law test does NOT see it: measured for resispec on [2, 2, 1], X^2 = 14.9 against a critical
 # value of 39.1 at 300 samples, and the 5000-sample slow version passed it too (3 tokens from a 1-token prompt: the
-# shifted positions barely move this law). At temperature 0 the attending target makes it a deterministic failure,
-# which is what the default run relies on (below).
+# shifted positions barely move this law). At temperature 0 the attending target makes it a deterministic failure
+# (below); at temperature 1 the exact joint law by enumeration sees it (tests/unit/test_decoding_enumeration.py:
+# 8.8e-3 against a tolerance of 1e-9).
 
 
 def _off_by_one(verify_tree):
