@@ -4,7 +4,7 @@
 
 Builds a one-layer Llama draft and target of the given vocabulary (random weights, tiny hidden size, so the models
 themselves are small and the loss's [N, V] tensors dominate), a batch of `rows` rows whose response positions
-total `positions`, and runs the loop's own micro-batch loss (`resispec.training.loop._micro_batch_loss`) plus the
+total `positions`, and runs the loop's own micro-batch loss (`resispec.training.loop.micro_batch_loss`) plus the
 backward once to warm up, then measures a second step: the peak resident memory during the step minus the resident
 memory just before it (Linux VmHWM after resetting it through /proc/self/clear_refs), and the step's wall time.
 Each measurement runs in a fresh subprocess so nothing of a previous variant stays resident. The same command
@@ -83,7 +83,7 @@ def measure(vocab: int, positions: int, rows: int, loss_name: str, chunk: int | 
 
     def step() -> float:
         t0 = time.perf_counter()
-        value, _ = loop._micro_batch_loss(run, batch, mask)
+        value, _ = loop.micro_batch_loss(run, batch, mask)
         value.backward()
         draft.zero_grad(set_to_none=False)  # keep the gradient buffers: they are the models' own memory
         return time.perf_counter() - t0

@@ -5,7 +5,7 @@ configs in recipes/accelerate. The data order is a pure function of (seed, step)
 scheduler, RNG and trainer state (step, loss curve, best tau) are saved together, so `train.resume=true`
 reproduces the uninterrupted run's loss curve.
 
-Reading order: `distill` (the loop), then its four steps: `_setup(job) -> _Run`, `_train_step(run) -> StepStats`,
+Reading order: `distill` (the loop), then its four steps: `_setup(job) -> _Run`, `train_step(run) -> StepStats`,
 `_evaluate_and_keep_best(run)`, `_export(run) -> DistillResult`.
 """
 
@@ -199,7 +199,7 @@ def distill(job: DistillJob) -> DistillResult:
         t_last, tok_last = time.perf_counter(), 0
         while run.state.step < train.max_steps:
             t_step = time.perf_counter()
-            stats = _train_step(run)
+            stats = train_step(run)
             run.state.step_seconds += time.perf_counter() - t_step
             tok_last += stats.tokens
             bar.update(1)
@@ -239,7 +239,7 @@ def _setup(job: DistillJob) -> _Run:
 
     _check_job(job)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # per-file save_state INFO lines drown the bar
-    accelerator = _make_accelerator(job)
+    accelerator = job_accelerator(job)
     set_seed(job.train.seed)
     run_dir = _resolve_run_dir(accelerator, job)
 
@@ -263,7 +263,7 @@ def _setup(job: DistillJob) -> _Run:
         packed = _attach_target_cache(accelerator, job, target, packed)
         eval_target, target = _release_target(accelerator, job, target, eval_seqs), None
 
-    draft, optimizer, scheduler, param_numel = _prepare_draft(accelerator, job, draft)
+    draft, optimizer, scheduler, param_numel = prepare_draft(accelerator, job, draft)
     state = TrainerState()
     accelerator.register_for_checkpointing(scheduler, state)
     steps_done = ckpt.checkpoint_steps(run_dir / "checkpoints")
@@ -321,7 +321,7 @@ def _check_job(job: DistillJob) -> None:
         check_head_job(job)
 
 
-def _make_accelerator(job: DistillJob):
+def job_accelerator(job: DistillJob):
     on_cpu = job.target.device == "cpu" or not torch.cuda.is_available()
     precision = job.train.mixed_precision
     if precision == "auto":
@@ -405,7 +405,7 @@ def _release_target(accelerator, job: DistillJob, target, eval_seqs) -> list:
     return out
 
 
-def _prepare_draft(accelerator, job: DistillJob, draft):
+def prepare_draft(accelerator, job: DistillJob, draft):
     """(prepared draft, optimizer, scheduler, (parameter elements held here, total)): LoRA-wrapped or float32
     master weights, AdamW, the schedule."""
     if job.draft.adapter == "lora":
@@ -430,7 +430,7 @@ def _prepare_draft(accelerator, job: DistillJob, draft):
 # ---- 2. one training step
 
 
-def _train_step(run: _Run) -> StepStats:
+def train_step(run: _Run) -> StepStats:
     """One optimizer step over grad_accum micro-batches of this process's share of the global batch."""
     acc, job, state = run.accelerator, run.job, run.state
     ga = max(1, job.train.grad_accum)
@@ -449,7 +449,7 @@ def _train_step(run: _Run) -> StepStats:
         # accumulate(): no gradient sync and no optimizer step until the last micro-batch (DDP, FSDP and
         # DeepSpeed alike); backward() divides by grad_accum
         with acc.accumulate(run.draft):
-            value, stats = _micro_batch_loss(run, batch, mask)
+            value, stats = micro_batch_loss(run, batch, mask)
             acc.backward(value)
             if acc.sync_gradients and job.optim.grad_clip:
                 acc.clip_grad_norm_(run.draft.parameters(), job.optim.grad_clip)
@@ -468,7 +468,7 @@ def _train_step(run: _Run) -> StepStats:
     return StepStats(loss=mean_loss, fkl=fkl, tokens=tokens)
 
 
-def _micro_batch_loss(run: _Run, batch: dict[str, torch.Tensor], mask: torch.Tensor):
+def micro_batch_loss(run: _Run, batch: dict[str, torch.Tensor], mask: torch.Tensor):
     """(loss, stats) of one micro-batch: the draft's (and the online target's) logits at the response positions
     only, against the online or cached target signal, the loss over them in chunks (resispec.losses). Rows are
     trimmed to the batch's longest first (right padding: nothing before it changes)."""

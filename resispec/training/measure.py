@@ -41,7 +41,7 @@ class SyntheticRows:
 
 
 def measure_step(job, models: tuple | None = None, steps: int = 1) -> dict:
-    """Real distillation steps (the loop's `_train_step`: draft forward, online target forward, chunked loss,
+    """Real distillation steps (the loop's `train_step`: draft forward, online target forward, chunked loss,
     backward, AdamW step) of `job`'s models, loaded from job.target / job.draft or given as (target, draft) on
     their device, on synthetic rows of the plan's shape (train.batch_size rows of data.seq_len tokens, the last
     min(data.regen.max_new_tokens, seq_len - 1) the response). Returns {measured_gib, predicted_gib, plan rows,
@@ -54,11 +54,11 @@ def measure_step(job, models: tuple | None = None, steps: int = 1) -> dict:
     if models is None:
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the resident memory now
         base = status_kib("VmRSS")
-    accelerator = loop._make_accelerator(job)
+    accelerator = loop.job_accelerator(job)
     target, draft = load_frozen_pair(job)[:2] if models is None else models
     cuda = accelerator.device.type == "cuda"
     plan = run_plan(job, accelerator, target, draft)
-    draft, optimizer, scheduler, _ = loop._prepare_draft(accelerator, job, draft)
+    draft, optimizer, scheduler, _ = loop.prepare_draft(accelerator, job, draft)
     seq = job.data.seq_len
     response = min(job.data.regen.max_new_tokens, seq - 1)
     vocab = min(target.config.vocab_size, draft.config.vocab_size if hasattr(draft, "config") else 10**9)
@@ -76,7 +76,7 @@ def measure_step(job, models: tuple | None = None, steps: int = 1) -> dict:
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        loop._train_step(run)
+        loop.train_step(run)
         if cuda:
             torch.cuda.synchronize(accelerator.device)
         times.append(time.perf_counter() - t0)

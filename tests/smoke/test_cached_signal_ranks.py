@@ -41,7 +41,7 @@ def instrumented_run(pair_dir: Path, out: Path, cache_dir: Path) -> dict:
     import resispec.training.signal as signal
 
     seen = {"built_rows": 0, "target_alive_at_step": []}
-    build, load_inputs, train_step = signal.build_cache, loop._load_inputs, loop._train_step
+    build, load_inputs, train_step = signal.build_cache, loop._load_inputs, loop.train_step
 
     def counting_build(target, packed, *args, **kwargs):
         seen["built_rows"] += len(packed)
@@ -57,11 +57,11 @@ def instrumented_run(pair_dir: Path, out: Path, cache_dir: Path) -> dict:
         seen["target_alive_at_step"].append(seen["target"]() is not None or run_.target is not None)
         return train_step(run_)
 
-    signal.build_cache, loop._load_inputs, loop._train_step = counting_build, remembering_load, checking_step
+    signal.build_cache, loop._load_inputs, loop.train_step = counting_build, remembering_load, checking_step
     try:
         result = run(pair_dir, out, cache_dir)
     finally:
-        signal.build_cache, loop._load_inputs, loop._train_step = build, load_inputs, train_step
+        signal.build_cache, loop._load_inputs, loop.train_step = build, load_inputs, train_step
     seen.pop("target")
     return {**seen, "num_processes": result.num_processes, "before": result.metrics["before"]}
 

@@ -4,7 +4,8 @@ its row of `LAYERS` names, all on lower floors. Checked by AST over every file o
 (a) no import outside the table's edges (each to a lower floor, but the one stated in `SIDEWAYS`) (upward, sideways, or of the composition root `resispec/config.py`);
 (b) no circle between modules (top-level imports; the circle is printed);
 (c) no function-level `import resispec.*` inside resispec/ (only optional third-party imports stay lazy);
-(d) no `_private` name imported from another module (`from x import _a`, `from x import _a as b`);
+(d) no `_private` name imported from another module (`from x import _a`, `from x import _a as b`), nor read off an
+    imported module (`from resispec.training import loop` then `loop._step`);
 (e) no module over 800 lines and no function over 80 lines, but for the commented `SIZE_EXCEPTIONS`.
 
 Each check has a planted-violation test on a fake package tree (tmp_path), so it can fail. The ground-floor test
@@ -209,14 +210,38 @@ def lazy_imports(root: Path) -> list[str]:
     ]
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def private_imports(root: Path) -> list[str]:
-    return [
-        f"{i.where(root)} imports private {name} from {i.module}" + (f" as {alias}" if alias else "")
-        for p in known_modules(root).values()
-        for i in imports_of(root, p)
-        for name, alias in i.names
-        if name.startswith("_") and not name.startswith("__")
-    ]
+    modules, bad = known_modules(root), []
+    for path in modules.values():
+        imps = imports_of(root, path)
+        bad += [
+            f"{i.where(root)} imports private {name} from {i.module}" + (f" as {alias}" if alias else "")
+            for i in imps
+            for name, alias in i.names
+            if _private(name)
+        ]
+        # names bound to a module of the package: `from pkg import mod [as m]`, `import pkg.mod as m`
+        bound = {alias or name: f"{i.module}.{name}" for i in imps for name, alias in i.names}
+        bound = {k: v for k, v in bound.items() if v in modules}
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                bound.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+            ):
+                if _private(node.attr):
+                    bad.append(
+                        f"{path.relative_to(root.parent)}:{node.lineno} reads private {node.attr} of "
+                        f"{bound[node.value.id]}"
+                    )
+    return sorted(bad)
 
 
 def size_violations(root: Path, exceptions=SIZE_EXCEPTIONS) -> list[str]:
@@ -383,10 +408,19 @@ def test_planted_private_import_fails(tmp_path: Path) -> None:
         {
             "models/world.py": "_lock = 1\nlock = _lock\n",
             "models/standin.py": "from resispec.models.world import _lock as lk, lock\nfrom .world import __doc__\n",
+            "models/loading.py": (
+                "from resispec.models import world\nimport resispec.models.world as w\nfrom resispec import models\n"
+                "world.lock(world._lock)\nw._lock\nmodels._x\nworld.__doc__\n"
+            ),
         },
     )
     bad = private_imports(root)
-    assert bad == ["resispec/models/standin.py:1 imports private _lock from resispec.models.world as lk"], bad
+    assert bad == [
+        "resispec/models/loading.py:4 reads private _lock of resispec.models.world",
+        "resispec/models/loading.py:5 reads private _lock of resispec.models.world",
+        "resispec/models/loading.py:6 reads private _x of resispec.models",
+        "resispec/models/standin.py:1 imports private _lock from resispec.models.world as lk",
+    ], bad
 
 
 def test_planted_sizes_fail(tmp_path: Path) -> None:
