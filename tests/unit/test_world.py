@@ -147,13 +147,17 @@ def test_build_estimate_times_real_steps_and_changes_nothing(micro_world, tmp_pa
         a = load_file(getattr(paths, role) / "model.safetensors")
         b = load_file(getattr(again, role) / "model.safetensors")
         assert a.keys() == b.keys(), role
-        if not all(torch.equal(a[k], b[k]) for k in a):  # say which cause: a time-budget stop, or float drift
-            model = role.removesuffix("_dir")
-            runs = [
-                {k: p.report.get(model, {}).get(k) for k in ("steps", "stopped_by", "train_seconds")}
-                for p in (paths, again)
-            ]
-            diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-            pytest.fail(
-                f"{role}: the two builds differ (max abs {diff:.3g}); silent build {runs[0]}, this one {runs[1]}"
-            )
+        model = role.removesuffix("_dir")
+        runs = [
+            {k: p.report.get(model, {}).get(k) for k in ("steps", "stopped_by", "train_seconds")}
+            for p in (paths, again)
+        ]
+        # the same training: the same steps and stop; the weights equal up to float drift (a CPU matmul's reduction
+        # order can change with the threads it gets on a loaded machine: ~4e-6 seen), never by a changed update
+        assert all(
+            r["steps"] == runs[0]["steps"] and r["stopped_by"] == runs[0]["stopped_by"] for r in runs
+        ), runs
+        diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+        assert diff < 1e-4, (
+            f"{role}: the two builds differ (max abs {diff:.3g}); silent {runs[0]}, this {runs[1]}"
+        )
