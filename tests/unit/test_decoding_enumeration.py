@@ -1,5 +1,6 @@
 """The decoder's joint law by enumeration (issue 42, item 2): the EXACT law of the first K tokens the speculative
-decoder (resispec.decoding.SpeculativeDecoder, the lean step) emits on a tree, with a micro target that attends
+decoder (resispec.decoding.SpeculativeDecoder, the lean step; and one row of the batched decoder,
+resispec/decoding/batch_spec.py) emits on a tree, with a micro target that attends
 (attention_gain: a position off by one moves its next-token law by ~0.15 TV), equals the target's own
 autoregressive law (enumerated from clean full forwards) to 1e-9, for every enumerable rule.
 
@@ -18,7 +19,7 @@ How the decoder's law is made exact, step by step, running the decoder's real st
   the next step examined the same way, from the decoder's own caches after its compaction. The state after a step
   is assumed to depend only on the committed tokens (each committed prefix is examined once).
 A defect in the target's positions, mask or cache moves p at some node, so the law by ~1e-2, far above 1e-9
-(test_enumeration_sees_a_position_off_by_one plants one). Draft-side defects cannot move the law (the rule sees the
+(test_enumeration_sees_a_position_off_by_one* plant one in each decoder). Draft-side defects cannot move the law (the rule sees the
 q it drew from): only acceptance.
 """
 
@@ -32,14 +33,16 @@ import pytest
 import torch
 
 from resispec import sampling
-from resispec.decoding import SpeculativeDecoder, engine
+from resispec.decoding import SpeculativeDecoder, batch_spec, engine
+from resispec.decoding.batch_spec import BatchedSpeculativeDecoder
+from resispec.decoding.tree import DraftTree
+from resispec.sampling import probs_by_settings
 from resispec.verify import VERIFIERS
 from tests.enumeration import outcome_laws, proposal_boxes, scripted
 from tests.unit.test_decoding_exactness import _off_by_one
 from tests.unit.test_decoding_helpers import micro_llama, noisy_copy, one_thread_per_module  # noqa: F401 (autouse)
 
 VOCAB = 4
-FAST = True
 PROMPT = [1, 3]
 TOL = 1e-9
 T1 = dict(temperature=1.0, top_k=0, top_p=1.0)
@@ -138,9 +141,29 @@ def hooked_walk(forced: Forced):
     return walk
 
 
+def hooked_ar_step(forced: Forced):
+    """BatchedSpeculativeDecoder._emit_ar for a Forced rule: a step in which the row drafts nothing (the emit
+    budget's last token) is an autoregressive step of the batch; its root is examined like a tree of depth 0, p
+    by the rows' own sampling transform (probs_by_settings)."""
+    walk = hooked_walk(forced)
+
+    def emit_ar(rows, logits, t0):
+        assert len(rows) == 1
+        p = probs_by_settings(logits[:, None], [rows[0].settings])[0]  # [1, V]
+        walk(None, DraftTree(-1, 1), lambda nodes: p[nodes], [], None)
+
+    return emit_ar
+
+
 class Enumerator:
-    def __init__(self, monkeypatch, target, draft, rule: str, tree: list[int], settings: dict, num: int):
-        self.dec = SpeculativeDecoder(target, draft, rule=rule, tree=tree, fast_forward=FAST)
+    """The decoder's exact law (module docstring): the lean batch-1 decoder, or with `batched` one row of the
+    batched decoder (resispec/decoding/batch_spec.py)."""
+
+    def __init__(
+        self, monkeypatch, pair, rule: str, tree: list[int], settings: dict, num: int, batched=False
+    ):
+        self.pair, self.tree, self.batched = pair, tree, batched
+        self.dec = SpeculativeDecoder(*pair, rule=rule, tree=tree)
         self.rule, self.settings, self.num = VERIFIERS[rule], settings, num
         self.monkeypatch = monkeypatch
         self.runs = 0
@@ -148,16 +171,17 @@ class Enumerator:
     def examine(self, history: list[dict], draws: tuple[int, int]) -> dict:
         plan = {"draws": draws}
         forced = Forced(self.rule, [*history, plan])
-        self.dec.rule = forced
-        self.monkeypatch.setattr(engine, "walk_sampled", hooked_walk(forced))
+        run = dict(max_new_tokens=self.num, eos_token_id=[], generator=torch.Generator(), **self.settings)
         with pytest.raises(StopRun):
-            self.dec.generate(
-                torch.tensor([PROMPT]),
-                max_new_tokens=self.num,
-                eos_token_id=[],
-                generator=torch.Generator(),
-                **self.settings,
-            )
+            if self.batched:
+                self.monkeypatch.setattr(batch_spec, "walk_sampled", hooked_walk(forced))
+                dec = BatchedSpeculativeDecoder(*self.pair, rule=forced, tree=self.tree)
+                dec._emit_ar = hooked_ar_step(forced)
+                dec.generate([PROMPT], settings=run)
+            else:
+                self.dec.rule = forced
+                self.monkeypatch.setattr(engine, "walk_sampled", hooked_walk(forced))
+                self.dec.generate(torch.tensor([PROMPT]), **run)
         self.runs += 1
         return plan
 
@@ -276,11 +300,9 @@ def walk_outcomes(plan: dict, laws: dict[int, torch.Tensor]):
     return out
 
 
-def check(monkeypatch, pair, rule, tree, settings, num=3) -> float:
-    target, draft = pair
-    enum = Enumerator(monkeypatch, target, draft, rule, tree, settings, num)
-    law = enum.law()
-    want = target_law(target, settings, num)
+def check(monkeypatch, pair, rule, tree, settings, num=3, batched=False) -> float:
+    law = Enumerator(monkeypatch, pair, rule, tree, settings, num, batched).law()
+    want = target_law(pair[0], settings, num)
     assert abs(sum(law.values()) - 1) < TOL, sum(law.values())
     return max(abs(law.get(k, 0.0) - v) for k, v in want.items())
 
@@ -308,6 +330,14 @@ def test_joint_law_every_rule_tree_and_setting(rule, tree, settings, pair, monke
     assert err < TOL, (rule, tree, err)
 
 
+@pytest.mark.parametrize("rule", ["resispec", "resispec_wor"])
+def test_batched_decoders_joint_law_is_the_targets(rule, pair, monkeypatch):
+    """One row of the batched decoder (its own draft and verify forwards, holey caches, compaction): tree [2, 1],
+    T = 1, exact law of 3 tokens = the target's AR law to 1e-9."""
+    err = check(monkeypatch, pair, rule, [2, 1], T1, batched=True)
+    assert err < TOL, (rule, err)
+
+
 def test_enumeration_sees_a_position_off_by_one(pair, monkeypatch):
     """The plant of test_decoding_exactness (the target's verify forward puts every node below the root one
     position too far) moves the exact law far above the tolerance: measured 8.8e-3 on one sequence's probability
@@ -316,4 +346,19 @@ def test_enumeration_sees_a_position_off_by_one(pair, monkeypatch):
         engine.SpeculativeDecoder, "_verify_tree", _off_by_one(engine.SpeculativeDecoder._verify_tree)
     )
     err = check(monkeypatch, pair, "resispec", [2, 1], T1)
+    assert err > 1e5 * TOL, err
+
+
+def test_enumeration_sees_a_position_off_by_one_in_the_batched_decoder(pair, monkeypatch):
+    """The same plant in the batched decoder's forwards (every column past a row's first one position too far:
+    its tree nodes; one-column forwards are untouched)."""
+    forward = batch_spec.forward_logits
+
+    def shifted(fwd, ids, cache, pos=None, *args, **kwargs):
+        if pos is not None:
+            pos = pos + (pos > pos[..., :1]).long()
+        return forward(fwd, ids, cache, pos, *args, **kwargs)
+
+    monkeypatch.setattr(batch_spec, "forward_logits", shifted)
+    err = check(monkeypatch, pair, "resispec", [2, 1], T1, batched=True)
     assert err > 1e5 * TOL, err
