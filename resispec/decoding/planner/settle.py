@@ -111,28 +111,39 @@ def pick_measured(plans: Sequence[Plan], tie: float = TIE_MARGIN, z: float = TIE
 
 def decode_rounds(
     trees: Sequence[Sequence[int] | None], decode, rounds: int, first: int = 0
-) -> list[Decoded]:
-    """Each of `trees` (None: AR) decoded once a round, rounds first .. first + rounds - 1, `decode(tree, round)`,
-    the order reversed every other round (ABBA, so a shared machine's drift hits all alike) -> their sums."""
-    runs = [Decoded() for _ in trees]
+) -> list[list[Decoded]]:
+    """Each of `trees` (None: AR, first) decoded once a round, rounds first .. first + rounds - 1,
+    `decode(tree, round)`, the order reversed every other round (ABBA, so a shared machine's drift hits all alike)
+    -> [round][tree] Decoded."""
+    out = []
     for rnd in range(first, first + rounds):
+        runs: list[Decoded] = [Decoded() for _ in trees]
         order = range(len(trees)) if rnd % 2 == 0 else reversed(range(len(trees)))
         for i in order:
-            runs[i] = runs[i] + decode(trees[i], rnd)
-    return runs
+            runs[i] = decode(trees[i], rnd)
+        out.append(runs)
+    return out
 
 
-def as_measured(plan: Plan, run: Decoded, ar: Decoded) -> Plan:
-    """`plan` with its tau, step, tokens per second and speedup (over `ar`, decoded in the same rounds) from `run`;
-    the model's figures kept in tau_model / speedup_model."""
-    ar_tps = ar.tokens_per_s
+def as_measured(plan: Plan, per_round: Sequence[Decoded], ar: Sequence[Decoded]) -> Plan:
+    """`plan` with its tau, step and tau_stderr from the sums of its rounds `per_round`, and its speedup over AR
+    (`ar`, decoded in the same rounds, back to back with it) the MEDIAN of the rounds' own ratios, not the ratio of
+    the sums: on a shared CPU one decode caught by another process's burst moves a ratio of sums by tens of
+    percent (AR at half speed in one round: "2.05x" for a chain of tau 1.78 on the tiny world), a median not.
+    tokens_per_s: that speedup times AR's median tokens per second. The model's figures kept in tau_model /
+    speedup_model."""
+    run = sum(per_round, Decoded())
+    ratios = [
+        r.tokens_per_s / a.tokens_per_s for r, a in zip(per_round, ar, strict=True) if a.tokens_per_s > 0
+    ]
+    speedup = statistics.median(ratios) if ratios else 0.0
     return replace(
         plan,
         tau=run.tau,
         tau_stderr=run.tau_stderr,
         step_ms=1e3 * run.seconds / max(run.steps, 1),
-        tokens_per_s=run.tokens_per_s,
-        speedup=run.tokens_per_s / ar_tps if ar_tps > 0 else 0.0,
+        tokens_per_s=speedup * statistics.median(a.tokens_per_s for a in ar),
+        speedup=speedup,
         measured=True,
         tau_model=plan.tau_model if plan.measured else _figure(plan.tau),
         speedup_model=plan.speedup_model if plan.measured else _figure(plan.speedup),
@@ -156,8 +167,8 @@ def settle_by_decoding(
 ) -> Plan:
     """The plan to use, by MEASURED tokens per second: the candidates of settle_candidates and AR are each decoded
     once a round (decode_rounds), round r with the same prompt and the same seeded draws for every candidate. Each
-    candidate's tau, step and tokens per second are its sums over the rounds, its speedup is over AR's tokens per
-    second in the same rounds, and pick_measured chooses (a chain wins ties: a tree must beat it by `tie`, or by
+    candidate's tau and step are its sums over the rounds, its speedup over AR the median of the rounds' ratios
+    (as_measured), and pick_measured chooses (a chain wins ties: a tree must beat it by `tie`, or by
     `z` standard errors of their taus' difference). Why measure: the model's tau multiplies per-depth acceptances
     as if depths were independent (optimistic at T > 0 for any tree with a multi-draw level: [2,2,1] predicted
     2.90, decoded 2.53 on the tiny world), and its step adds up parts that rank the top candidates, often within
@@ -169,8 +180,9 @@ def settle_by_decoding(
     curse; the selection figures stay in `selected_speedup` / `selected_tau`). The plan returned is marked
     `measured`, keeps the model's figures (tau_model, speedup_model) and lists every candidate decoded."""
     near = settle_candidates(ranked, band, most)
-    runs = decode_rounds([None, *(p.tree for p in near)], decode, rounds)
-    settled = [as_measured(plan, run, runs[0]) for plan, run in zip(near, runs[1:], strict=True)]
+    rounds_run = decode_rounds([None, *(p.tree for p in near)], decode, rounds)
+    ar = [r[0] for r in rounds_run]
+    settled = [as_measured(plan, [r[i] for r in rounds_run], ar) for i, plan in enumerate(near, 1)]
     table = [
         {
             "tree": p.tree,
@@ -178,23 +190,17 @@ def settle_by_decoding(
             "tau": p.tau,
             "speedup_model": p.speedup_model,
             "speedup": p.speedup,
-            "tokens": run.tokens,
+            "tokens": sum(r[i].tokens for r in rounds_run),
             "tau_stderr": p.tau_stderr,
         }
-        for p, run in zip(settled, runs[1:], strict=True)
+        for i, p in enumerate(settled, 1)
     ]
     chosen = replace(pick_measured(settled, tie, z), candidates=table)
     chosen.selected_tau, chosen.selected_speedup = chosen.tau, chosen.speedup
     if not remeasure:
         return chosen
-    pairs = [decode_rounds([None, chosen.tree], decode, 1, first=r) for r in range(rounds, 2 * rounds)]
-    ar, fresh = (sum((p[i] for p in pairs), Decoded()) for i in (0, 1))
-    # the speedup: the median of the rounds' own ratios (AR and the tree decoded back to back), not the ratio of
-    # the sums: on a shared CPU one decode caught by another process's burst (AR at half speed: "2.05x" for a
-    # chain of tau 1.78 on the tiny world) moves a ratio of sums by tens of percent, a median of 4 rounds not
-    ratios = [f.tokens_per_s / a.tokens_per_s for a, f in pairs if a.tokens_per_s > 0]
-    measured = as_measured(chosen, fresh, ar)
-    return replace(measured, speedup=statistics.median(ratios)) if ratios else measured
+    fresh = decode_rounds([None, chosen.tree], decode, rounds, first=rounds)
+    return as_measured(chosen, [r[1] for r in fresh], [r[0] for r in fresh])
 
 
 class CalibrationDecodes:
