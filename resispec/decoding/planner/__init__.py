@@ -21,7 +21,13 @@ the same rule, are DECODED for real on the calibration prompts (settle_by_decodi
 each, the same seeded draws for every candidate, AR in the same rounds, ABBA order. Their tau and tokens per
 second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
 of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans
-speculation are settled the same way on a few real batched steps.
+speculation are settled the same way on a few real batched steps. Each candidate's speedup is the median of its
+rounds' own ratios to AR (one decode caught by another process's burst does not pick the tree), and the winner is
+decoded again with AR on as many FRESH rounds (other seeds): those figures are the plan's prediction, since the
+winner of near-ties is the luckiest and its selection figures are biased up (the winner's curse).
+
+A draft head (its forward reads the target's states; no cost or acceptance model) is planned by decoding only:
+every tree of HEAD_TREES at batch 1, batch 1's tree against the chain at larger sizes (Planner._settle_head).
 
 Modules: cost (the cost model and its timings), acceptance (alpha and the product model's tau), search (candidate
 trees ranked by the models), settle (real decodes of the near-ties; a chain wins ties), core (Planner).
