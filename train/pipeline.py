@@ -129,7 +129,7 @@ def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: d
             job, draft=head_draft, output_dir=out / "distill_head", name=cfg.name + "_head"
         )
         head_result = distill(head_job)
-        print("\nHeld-out acceptance of the draft head (depth 1: its own states below it are not simulated):")
+        print("\nHeld-out acceptance of the draft head (depth d drafted from its own state, as in decoding):")
         print(format_metrics(head_result.metrics))
     clock.stop(f"{cfg.name}/distill")
     m = result.metrics
