@@ -56,7 +56,7 @@ class BenchConfig:
     seeded_requests: bool = True
     seed: int = 0
     output_dir: str | None = None  # default: the Hydra run folder
-    # tree=auto rows: for each of these rules the planner (resispec/decoding/planner.py) picks the tree from this
+    # tree=auto rows: for each of these rules the planner (resispec/decoding/planner/) picks the tree from this
     # device's measured costs and the rule's calibrated acceptance; the report shows predicted vs measured
     plan_rules: list[str] = field(default_factory=lambda: ["resispec", "resispec_auto"])
     plan_calibration_prompts: int = 4  # validation prompts (+ the target's continuations) for the calibration
