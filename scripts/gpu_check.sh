@@ -35,7 +35,8 @@ step() {  # name, command...: run under the part's timeout, record rc and second
 }
 if [ $DRY = 0 ] && [ -d .gpu_wheels ]; then
   # offline: only the wheels downloaded beforehand; what is installed already (torch, transformers, ...) stays
-  step install "$PY" -m pip install --no-index --find-links .gpu_wheels -r .gpu_wheels/requirements.txt \
+  BIG=(); [ -d .gpu_wheels_big ] && BIG=(--find-links .gpu_wheels_big)  # only where carried (gpu_wheels.sh)
+  step install "$PY" -m pip install --no-index --find-links .gpu_wheels "${BIG[@]}" -r .gpu_wheels/requirements.txt \
     > "$OUT_DIR/install.log" 2>&1
   step install_project "$PY" -m pip install --no-index --no-deps --no-build-isolation -e . >> "$OUT_DIR/install.log" 2>&1
 fi
