@@ -21,6 +21,7 @@ from resispec.decoding.planner import (
     BATCH_SETTLE_ROUNDS,
     BATCH_SETTLE_STEPS,
     NODE_GRID,
+    REMEASURE_PASSES,
     SETTLE_MOST,
     SETTLE_PROMPTS,
     SETTLE_TOKENS,
@@ -249,7 +250,8 @@ def test_settle_decodes_the_near_ties_the_best_chain_and_ar():
 def test_the_winner_is_remeasured_on_fresh_rounds():
     """The winner's curse: of near-tied candidates the one whose rounds were luckiest wins, so its figures from
     those rounds are biased up. The chosen plan and AR are decoded again on as many FRESH rounds (other round
-    indices: other seeds), and the plan's tau and speedup are those; the selection figures are kept apart."""
+    indices: other seeds; REMEASURE_PASSES x as many), and the plan's tau and speedup are those; the selection
+    figures are kept apart."""
     ranked = [_plan([2, 1], 300, 2.6), _plan([1, 1], 280, 2.2)]
     calls = []
 
@@ -263,7 +265,8 @@ def test_the_winner_is_remeasured_on_fresh_rounds():
     assert plan.tree == [2, 1] and plan.selected_speedup == pytest.approx(1.8)
     assert plan.speedup == pytest.approx(1.2) and plan.tau == pytest.approx(42 / 20)
     assert plan.selected_tau == pytest.approx(50 / 20) and plan.tau_model == 2.6
-    assert [c for c in calls if c[1] >= 2] == [(None, 2), ((2, 1), 2), ((2, 1), 3), (None, 3)]  # ABBA
+    fresh = [(None, 2), ((2, 1), 2), ((2, 1), 3), (None, 3), (None, 4), ((2, 1), 4), ((2, 1), 5), (None, 5)]
+    assert REMEASURE_PASSES == 2 and [c for c in calls if c[1] >= 2] == fresh  # ABBA
     assert "chosen at 1.80x" in plan.describe()
 
 
@@ -347,7 +350,8 @@ def test_batch_one_plan_is_decoded_and_the_chain_wins_in_the_planner(micro_pair,
     decoded = {t for t, _, _ in calls}
     assert None in decoded and any(t is not None and set(t) == {1} for t in decoded)
     assert any(t is not None and set(t) != {1} for t in decoded)
-    assert {r for _, r, _ in calls} == {0, 1, 2, 3} and plan.startup_s > 0  # rounds 2, 3: the winner again
+    # rounds 2 .. 5: the winner again (REMEASURE_PASSES x the 2 rounds)
+    assert {r for _, r, _ in calls} == set(range(2 + 2 * REMEASURE_PASSES)) and plan.startup_s > 0
     assert {t for t, r, _ in calls if r >= 2} == {None, tuple(plan.tree)}
 
 
@@ -389,23 +393,27 @@ def test_settling_work_is_bounded(micro_pair, monkeypatch):
     assert len(decoders) <= SETTLE_MOST + 2 and None in decoders
     assert [n for _, n in runs].count(8) == len(decoders)  # one warm-up each
     timed = [n for _, n in runs if n != 8]
-    # the candidates and AR once a round, then AR and the winner on as many fresh rounds
-    assert all(n == SETTLE_TOKENS for n in timed) and len(timed) == (len(decoders) + 2) * SETTLE_PROMPTS
+    # the candidates and AR once a round, then AR and the winner on REMEASURE_PASSES x as many fresh rounds
+    fresh = 2 * REMEASURE_PASSES
+    assert all(n == SETTLE_TOKENS for n in timed) and len(timed) == (len(decoders) + fresh) * SETTLE_PROMPTS
     assert len(plans[1].candidates) == len(decoders) - 1 and plans[4].measured
     batched = len(plans[4].candidates) + 1
     assert batched <= BATCH_SETTLE_MOST + 2
-    assert len(steps) == (batched + 2) * BATCH_SETTLE_ROUNDS * (BATCH_SETTLE_STEPS + 1)
+    assert len(steps) == (batched + fresh) * BATCH_SETTLE_ROUNDS * (BATCH_SETTLE_STEPS + 1)
 
 
-def test_calibration_decodes_are_seeded_alike_and_real(micro_pair):
+def test_calibration_decodes_are_seeded_alike_and_real(micro_pair, monkeypatch):
     """The settling decodes at batch 1 and at 3 rows: a round's draws are the same for every call (so candidates
-    differ by their trees, not their luck), AR's tau is 1, and a speculative tree accepts some tokens."""
+    differ by their trees, not their luck), AR's tau is 1, and a speculative tree accepts some tokens. EOS stops
+    none of them (every token an EOS here): each emits its full length, so a draw that hits EOS early does not
+    weigh its prefill against another candidate's longer decode."""
     from resispec.decoding.planner import core as planner_mod
     from resispec.verify import build_rule
 
     target, draft = micro_pair
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11]]
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    monkeypatch.setattr(target.generation_config, "eos_token_id", list(range(target.config.vocab_size)))
     with single_thread():
         one = planner_mod.CalibrationDecodes(target, draft, build_rule("resispec"), prompts, sampling, 16)
         a, b = one([2, 1], 1), one([2, 1], 1)

@@ -23,7 +23,7 @@ second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN
 of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans
 speculation are settled the same way on a few real batched steps. Each candidate's speedup is the median of its
 rounds' own ratios to AR (one decode caught by another process's burst does not pick the tree), and the winner is
-decoded again with AR on as many FRESH rounds (other seeds): those figures are the plan's prediction, since the
+decoded again with AR on twice as many FRESH rounds (other seeds; REMEASURE_PASSES): those figures are the plan's prediction, since the
 winner of near-ties is the luckiest and its selection figures are biased up (the winner's curse).
 
 A draft head (its forward reads the target's states; no cost or acceptance model) is planned by decoding only:
@@ -62,6 +62,7 @@ from resispec.decoding.planner.settle import (
     BATCH_SETTLE_MOST,
     BATCH_SETTLE_ROUNDS,
     BATCH_SETTLE_STEPS,
+    REMEASURE_PASSES,
     SETTLE_BAND,
     SETTLE_MOST,
     SETTLE_PROMPTS,
@@ -93,6 +94,7 @@ __all__ = [
     "OVERHEAD_TREE",
     "Plan",
     "Planner",
+    "REMEASURE_PASSES",
     "SETTLE_BAND",
     "SETTLE_MOST",
     "SETTLE_PROMPTS",

@@ -29,6 +29,10 @@ TIE_MARGIN = 0.02
 # decodes leave tau ~5% noisy (the micro world: a chain's calibration tau 11% below its held-out one), and a tree
 # picked on noise can lose more than the margin
 TIE_Z = 1.0
+# the winner's prediction: it and AR decoded again on REMEASURE_PASSES x the settling rounds, fresh seeds. One pass
+# of four 48-token decodes left the predicted speedup +-15% off the bench's (tau alone moves ~10% between seeds at
+# T = 1: [1,1,1] 2.16 on one set of seeds, 2.48 on another, same prompts); two passes halve the variance for ~3 s
+REMEASURE_PASSES = 2
 SETTLE_SEED = (
     20_000  # the seeds of the settling decodes: round r draws from SETTLE_SEED + r, every candidate alike
 )
@@ -174,8 +178,8 @@ def settle_by_decoding(
     2.90, decoded 2.53 on the tiny world), and its step adds up parts that rank the top candidates, often within
     1-2% of each other, wrongly.
 
-    `remeasure`: the chosen plan and AR are then decoded again on `rounds` FRESH rounds (other seeds; rounds
-    `rounds` .. 2 * rounds - 1), and those figures are the plan's prediction. The winner of near-ties is the one
+    `remeasure`: the chosen plan and AR are then decoded again on REMEASURE_PASSES * `rounds` FRESH rounds (other
+    seeds; rounds `rounds` onwards), and those figures are the plan's prediction. The winner of near-ties is the one
     whose draws and timings were luckiest: its figures from the rounds that chose it are biased up (the winner's
     curse; the selection figures stay in `selected_speedup` / `selected_tau`). The plan returned is marked
     `measured`, keeps the model's figures (tau_model, speedup_model) and lists every candidate decoded."""
@@ -199,7 +203,7 @@ def settle_by_decoding(
     chosen.selected_tau, chosen.selected_speedup = chosen.tau, chosen.speedup
     if not remeasure:
         return chosen
-    fresh = decode_rounds([None, chosen.tree], decode, rounds, first=rounds)
+    fresh = decode_rounds([None, chosen.tree], decode, REMEASURE_PASSES * rounds, first=rounds)
     return as_measured(chosen, [r[1] for r in fresh], [r[0] for r in fresh])
 
 
@@ -207,7 +211,10 @@ class CalibrationDecodes:
     """settle_by_decoding's `decode` at batch 1: one generation of SETTLE_TOKENS tokens of calibration prompt
     r % len(prompts) with seed SETTLE_SEED + r, through the decoder the server and the bench run (one
     SpeculativeDecoder per tree, built once; AR its generate_autoregressive), timed whole as the bench times its
-    rows (prefill included); each decoder's first call is preceded by an untimed short one (warm-up)."""
+    rows (prefill included); each decoder's first call is preceded by an untimed short one (warm-up). EOS does not
+    stop them (eos_token_id=[]): every candidate and AR emit exactly max_new_tokens, so a sampled draw that hits
+    EOS early (at T = 1, AR's 4 decodes gave 147 tokens where a chain's gave 192) does not weigh its prefill
+    against another's longer decode."""
 
     def __init__(self, target, draft, rule, prompts, sampling, max_new_tokens: int = SETTLE_TOKENS):
         self.target, self.draft, self.rule, self.prompts = target, draft, rule, prompts
@@ -229,7 +236,9 @@ class CalibrationDecodes:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         sync_device(self.device)
         t0 = time.perf_counter()
-        out = self.decoders[key](ids, generator=gen, max_new_tokens=max_new_tokens, **self.sampling)
+        out = self.decoders[key](
+            ids, generator=gen, max_new_tokens=max_new_tokens, eos_token_id=[], **self.sampling
+        )
         sync_device(self.device)
         seconds = time.perf_counter() - t0
         stats = out.stats
