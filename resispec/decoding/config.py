@@ -22,9 +22,9 @@ class DecodeConfig:
     # this device and pair at start-up and picks the tree of most tokens per second (serving); training and
     # evaluation, which run before a trained draft exists to plan with, then use DEFAULT_TREE
     tree: Any = field(default_factory=lambda: list(DEFAULT_TREE))
-    plan_prompts: int = (
-        4  # tree=auto: held-out prompts (data eval split) the planner calibrates acceptance on
-    )
+    # tree=auto: held-out prompts (data eval split) for the planner: the first 4 calibrate acceptance and choose
+    # the tree, the rest re-measure the choice (Planner)
+    plan_prompts: int = 12
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0

@@ -402,6 +402,37 @@ def test_settling_work_is_bounded(micro_pair, monkeypatch):
     assert len(steps) == (batched + fresh) * BATCH_SETTLE_ROUNDS * (BATCH_SETTLE_STEPS + 1)
 
 
+def test_the_prediction_comes_from_prompts_that_did_not_choose_the_tree(micro_pair, monkeypatch):
+    """With 3 x SETTLE_PROMPTS prompts, the first SETTLE_PROMPTS calibrate the acceptance and settle the near-ties,
+    and the winner's fresh re-measure decodes the other 8, each once: the prediction is not made on the prompts
+    whose luck chose the tree."""
+    from resispec.decoding.planner import core as planner_mod
+
+    prompts = [[1 + i, 2, 3, 4, 5, 6 + i] for i in range(3 * SETTLE_PROMPTS)]
+    calibrated, used = [], []
+    real_alpha = planner_mod.calibrate_alpha
+    monkeypatch.setattr(
+        planner_mod,
+        "calibrate_alpha",
+        lambda t, d, seqs, *a, **kw: (
+            calibrated.append(seqs[0][: kw["start"]]) or real_alpha(t, d, seqs, *a, **kw)
+        ),
+    )
+
+    def fake_call(self, tree, rnd):
+        used.append((rnd, tuple(self.prompts[rnd % len(self.prompts)])))
+        return Decoded(48, 20, 28, 48 / (100.0 if tree is None else 150.0))
+
+    monkeypatch.setattr(planner_mod.CalibrationDecodes, "__call__", fake_call)
+    target, draft = micro_pair
+    with single_thread():
+        Planner(target, prompts, continuation_tokens=4).choose(draft, "resispec", {"temperature": 1.0})
+    assert calibrated == prompts[:SETTLE_PROMPTS]
+    assert {p for r, p in used if r < SETTLE_PROMPTS} == {tuple(p) for p in prompts[:SETTLE_PROMPTS]}
+    fresh = sorted(p for r, p in used if r >= SETTLE_PROMPTS)
+    assert fresh == sorted(2 * [tuple(p) for p in prompts[SETTLE_PROMPTS:]])  # AR and the winner on each
+
+
 def test_calibration_decodes_are_seeded_alike_and_real(micro_pair, monkeypatch):
     """The settling decodes at batch 1 and at 3 rows: a round's draws are the same for every call (so candidates
     differ by their trees, not their luck), AR's tau is 1, and a speculative tree accepts some tokens. EOS stops
