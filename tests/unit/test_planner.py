@@ -249,25 +249,37 @@ def test_settle_decodes_the_near_ties_the_best_chain_and_ar():
 
 def test_the_winner_is_remeasured_on_fresh_rounds():
     """The winner's curse: of near-tied candidates the one whose rounds were luckiest wins, so its figures from
-    those rounds are biased up. The chosen plan and AR are decoded again on as many FRESH rounds (other round
-    indices: other seeds; REMEASURE_PASSES x as many), and the plan's tau and speedup are those; the selection
-    figures are kept apart."""
+    those rounds are biased up. The chosen plan and AR are decoded again on FRESH rounds (other round indices:
+    other seeds; REMEASURE_PASSES x as many), and the plan's tau and speedup are those; the selection figures are
+    kept apart. A tree chosen over the best chain is decoded there beside the chain and must beat it again."""
     ranked = [_plan([2, 1], 300, 2.6), _plan([1, 1], 280, 2.2)]
-    calls = []
 
-    def decode(tree, rnd):
-        calls.append((None if tree is None else tuple(tree), rnd))
-        lucky = tree == [2, 1] and rnd < 2  # the tree's selection rounds were lucky: 180 tok/s, later 120
-        tps = 100.0 if tree is None else 180.0 if lucky else 120.0 if tree == [2, 1] else 150.0
-        return Decoded(48, 20, 30 if lucky else 22, 48 / tps)
+    def run(later_tps: float):
+        calls = []
 
-    plan = settle_by_decoding(ranked, decode, rounds=2)
+        def decode(tree, rnd):
+            calls.append((None if tree is None else tuple(tree), rnd))
+            lucky = tree == [2, 1] and rnd < 2  # the tree's selection rounds were lucky: 180 tok/s
+            tps = 100.0 if tree is None else 180.0 if lucky else later_tps if tree == [2, 1] else 150.0
+            return Decoded(48, 20, 30 if lucky else 22, 48 / tps)
+
+        return settle_by_decoding(ranked, decode, rounds=2), calls
+
+    plan, calls = run(160.0)  # still ahead of the chain (150) on the fresh rounds: kept
     assert plan.tree == [2, 1] and plan.selected_speedup == pytest.approx(1.8)
-    assert plan.speedup == pytest.approx(1.2) and plan.tau == pytest.approx(42 / 20)
+    assert plan.speedup == pytest.approx(1.6) and plan.tau == pytest.approx(42 / 20)
     assert plan.selected_tau == pytest.approx(50 / 20) and plan.tau_model == 2.6
-    fresh = [(None, 2), ((2, 1), 2), ((2, 1), 3), (None, 3), (None, 4), ((2, 1), 4), ((2, 1), 5), (None, 5)]
+    fresh = [(None, 2), ((2, 1), 2), ((1, 1), 2), ((1, 1), 3), ((2, 1), 3), (None, 3)]
+    fresh += [(None, 4), ((2, 1), 4), ((1, 1), 4), ((1, 1), 5), ((2, 1), 5), (None, 5)]
     assert REMEASURE_PASSES == 2 and [c for c in calls if c[1] >= 2] == fresh  # ABBA
     assert "chosen at 1.80x" in plan.describe()
+    plan, _ = run(120.0)  # ahead only by the luck of the selection rounds: the chain, on its fresh figures
+    assert (
+        plan.tree == [1, 1]
+        and plan.speedup == pytest.approx(1.5)
+        and plan.selected_speedup == pytest.approx(1.5)
+    )
+    assert [c["tree"] for c in plan.candidates] == [[2, 1], [1, 1]]
 
 
 def test_the_remeasured_speedup_shrugs_off_one_slow_decode():
@@ -334,6 +346,13 @@ def test_batch_one_plan_is_decoded_and_the_chain_wins_in_the_planner(micro_pair,
         planner_mod,
         "calibrate_alpha",
         lambda *a, **kw: {1: 0.55, 2: 0.85, 3: 0.92, 4: 0.95},  # the model wants trees
+    )
+    # ... and ranks them first whatever the forward timings of a loaded machine say
+    real_rank = planner_mod.rank_trees
+    monkeypatch.setattr(
+        planner_mod,
+        "rank_trees",
+        lambda cost, alpha: [_plan([3, 1], 300), _plan([2, 1], 295)] + real_rank(cost, alpha),
     )
 
     def fake_call(self, tree, rnd):
