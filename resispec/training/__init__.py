@@ -1,7 +1,5 @@
 """Distillation of drafts toward a target: the accelerate loop, checkpoints, held-out alpha / tau evaluation.
-
-    from resispec.training import DistillJob, distill
-"""
+The entry points: `from resispec.training import DistillJob, distill`."""
 
 from resispec.training.evaluation import format_metrics
 from resispec.training.loop import (
