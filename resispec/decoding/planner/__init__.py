@@ -23,8 +23,10 @@ second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN
 of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans
 speculation are settled the same way on a few real batched steps. Each candidate's speedup is the median of its
 rounds' own ratios to AR (one decode caught by another process's burst does not pick the tree), and the winner is
-decoded again with AR on twice as many FRESH rounds (other seeds; REMEASURE_PASSES): those figures are the plan's prediction, since the
-winner of near-ties is the luckiest and its selection figures are biased up (the winner's curse).
+decoded again with AR on REMEASURE_PASSES x as many FRESH rounds (other seeds, and the calibration prompts after
+the first SETTLE_PROMPTS): those figures are the plan's prediction, since the winner of near-ties is the luckiest
+and its selection figures are biased up (the winner's curse). A tree chosen over the best chain is decoded beside
+that chain there, and must beat it again on those rounds (a chain wins ties).
 
 A draft head (its forward reads the target's states; no cost or acceptance model) is planned by decoding only:
 every tree of HEAD_TREES at batch 1, batch 1's tree against the chain at larger sizes (Planner._settle_head).

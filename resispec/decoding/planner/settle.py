@@ -29,9 +29,9 @@ TIE_MARGIN = 0.02
 # decodes leave tau ~5% noisy (the micro world: a chain's calibration tau 11% below its held-out one), and a tree
 # picked on noise can lose more than the margin
 TIE_Z = 1.0
-# the winner's prediction: it and AR decoded again on REMEASURE_PASSES x the settling rounds, fresh seeds. One pass
-# of four 48-token decodes left the predicted speedup +-15% off the bench's (tau alone moves ~10% between seeds at
-# T = 1: [1,1,1] 2.16 on one set of seeds, 2.48 on another, same prompts); two passes halve the variance for ~3 s
+# the winner's prediction: it and AR decoded again on REMEASURE_PASSES x the settling rounds, fresh seeds (and,
+# with the Planner's 12 prompts, the 8 prompts that did not choose it). One pass of four 48-token decodes left the
+# predicted speedup +-15% off the bench's (tau alone moved ~10% between seeds at T = 1); two halve the variance
 REMEASURE_PASSES = 2
 SETTLE_SEED = (
     20_000  # the seeds of the settling decodes: round r draws from SETTLE_SEED + r, every candidate alike
