@@ -254,10 +254,20 @@ def test_requests_queue_to_one_worker_and_full_queue_is_503(serve_fake):
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
             body = {"model": "m", "prompt": "a", "max_tokens": 6}
-            tasks = [
-                asyncio.create_task(c.post("/v1/completions", json={**body, "prompt": ALPHABET[i % 10]}))
-                for i in range(8)
-            ]
+
+            def post(i: int):
+                return asyncio.create_task(
+                    c.post("/v1/completions", json={**body, "prompt": ALPHABET[i % 10]})
+                )
+
+            # the first request running (the worker took it off the queue) before the other 7 arrive: on a loaded
+            # machine the worker can be slower to take it than they are to come, and it would hold a queue slot
+            tasks = [post(0)]
+            for _ in range(600):
+                if engine.started:
+                    break
+                await asyncio.sleep(0.05)
+            tasks += [post(i) for i in range(1, 8)]
             # nothing finishes before the gate opens, however slow the machine: the 4 requests beyond 1 running +
             # 3 queued come back 503 while it is shut (waited for by count, not by the clock); then the rest run
             for _ in range(600):
