@@ -412,13 +412,15 @@ def test_settling_work_is_bounded(micro_pair, monkeypatch):
     assert len(decoders) <= SETTLE_MOST + 2 and None in decoders
     assert [n for _, n in runs].count(8) == len(decoders)  # one warm-up each
     timed = [n for _, n in runs if n != 8]
-    # the candidates and AR once a round, then AR and the winner on REMEASURE_PASSES x as many fresh rounds
-    fresh = 2 * REMEASURE_PASSES
-    assert all(n == SETTLE_TOKENS for n in timed) and len(timed) == (len(decoders) + fresh) * SETTLE_PROMPTS
+    # the candidates and AR once a round, then on REMEASURE_PASSES x as many fresh rounds AR and the winner, and
+    # the best chain beside it when the winner was a tree (which one wins rides on this machine's timings)
+    fresh = {k * REMEASURE_PASSES for k in (2, 3)}
+    assert all(n == SETTLE_TOKENS for n in timed)
+    assert len(timed) in {(len(decoders) + f) * SETTLE_PROMPTS for f in fresh}
     assert len(plans[1].candidates) == len(decoders) - 1 and plans[4].measured
     batched = len(plans[4].candidates) + 1
     assert batched <= BATCH_SETTLE_MOST + 2
-    assert len(steps) == (batched + fresh) * BATCH_SETTLE_ROUNDS * (BATCH_SETTLE_STEPS + 1)
+    assert len(steps) in {(batched + f) * BATCH_SETTLE_ROUNDS * (BATCH_SETTLE_STEPS + 1) for f in fresh}
 
 
 def test_the_prediction_comes_from_prompts_that_did_not_choose_the_tree(micro_pair, monkeypatch):

@@ -46,8 +46,8 @@ class Planner:
     `prompts`: the first SETTLE_PROMPTS calibrate the acceptance and settle the near-ties (round r decodes prompt
     r); the winner's fresh re-measure (REMEASURE_PASSES x as many rounds) decodes the prompts after them, cycling,
     so with 3 x SETTLE_PROMPTS prompts (the defaults: 12) the prediction comes from 8 prompts that took no part in
-    choosing the tree. Prompts differ in how well the draft follows them (tau 2.18 to 2.82 over four validation
-    prompts, [1,1,1] at T = 1): a prediction from the 4 prompts that chose the tree was 15% above the bench."""
+    choosing the tree: prompts differ in how well the draft follows them, and a prediction from the prompts that
+    chose the tree inherits their luck (docs/decoder_speed.md)."""
 
     def __init__(
         self, target: torch.nn.Module, prompts: Sequence[Sequence[int]], continuation_tokens: int = 32
@@ -206,7 +206,7 @@ class Planner:
         ]  # the model says do not speculate here: left to it (and to the scheduler's online model)
 
     def _rounds(self) -> int:
-        return max(2, min(SETTLE_PROMPTS, len(self.prompts)))
+        return max(2, len(self.calibration))
 
     def _settle_head(self, head, rule_obj, settings: dict, b: int, at_one: Plan | None) -> Plan:
         """A draft head's plan at batch size b, decoded only: its forward reads the target's states, so the cost

@@ -30,8 +30,8 @@ TIE_MARGIN = 0.02
 # picked on noise can lose more than the margin
 TIE_Z = 1.0
 # the winner's prediction: it and AR decoded again on REMEASURE_PASSES x the settling rounds, fresh seeds (and,
-# with the Planner's 12 prompts, the 8 prompts that did not choose it). One pass of four 48-token decodes left the
-# predicted speedup +-15% off the bench's (tau alone moved ~10% between seeds at T = 1); two halve the variance
+# with the Planner's 12 prompts, the 8 prompts that did not choose it); at T = 1 tau over four 48-token decodes
+# moves ~10% between seed sets, and two passes halve the variance (docs/decoder_speed.md)
 REMEASURE_PASSES = 2
 SETTLE_SEED = (
     20_000  # the seeds of the settling decodes: round r draws from SETTLE_SEED + r, every candidate alike
@@ -184,8 +184,7 @@ def settle_by_decoding(
     rounds that chose it are biased up (the winner's curse; the selection figures stay in `selected_speedup` /
     `selected_tau`). A tree chosen over the best chain must beat it again there: the chain is decoded on the fresh
     rounds too, and pick_measured decides between the two on those rounds alone (a chain wins ties), so a tree
-    ahead by luck on the settling rounds ([2,1,1] chosen at 1.53x over the chain's 1.39x at T = 1, then 0.94x the
-    chain in the bench) is dropped. The plan returned is marked `measured`, keeps the model's figures (tau_model,
+    ahead only by the settling rounds' luck is dropped. The plan returned is marked `measured`, keeps the model's figures (tau_model,
     speedup_model) and lists every candidate decoded."""
     near = settle_candidates(ranked, band, most)
     rounds_run = decode_rounds([None, *(p.tree for p in near)], decode, rounds)
@@ -225,8 +224,7 @@ class CalibrationDecodes:
     SpeculativeDecoder per tree, built once; AR its generate_autoregressive), timed whole as the bench times its
     rows (prefill included); each decoder's first call is preceded by an untimed short one (warm-up). EOS does not
     stop them (eos_token_id=[]): every candidate and AR emit exactly max_new_tokens, so a sampled draw that hits
-    EOS early (at T = 1, AR's 4 decodes gave 147 tokens where a chain's gave 192) does not weigh its prefill
-    against another's longer decode."""
+    EOS early does not weigh its prefill against another's longer decode."""
 
     def __init__(self, target, draft, rule, prompts, sampling, max_new_tokens: int = SETTLE_TOKENS):
         self.target, self.draft, self.rule, self.prompts = target, draft, rule, prompts
