@@ -45,9 +45,10 @@ class BenchConfig:
     # (equal lengths let batched AR rows run in lockstep waves; four runs did not show that it matters beyond the
     # run-to-run noise: docs/journal/vllm.md, "Unequal request lengths")
     output_len_range_ratio: float = 0.0
-    # load sweep and in-process comparison (python bench/load.py): rounds of the whole sweep, every
-    # server or mode in turn at each level, merged per (server, level); on a machine whose speed drifts within minutes
-    # one round is noise
+    # rounds of the whole measurement, merged; on a machine whose speed drifts within minutes one round is noise.
+    # Speed bench: every prompt through every method per round, the order reversed every other round, fresh seeds per
+    # round (report: each row's round-to-round spread). Load sweep and in-process comparison (python bench/load.py):
+    # every server or mode in turn at each level, merged per (server, level). conf/bench/default.yaml: 2
     rounds: int = 1
     # in-process comparison: the serving modes to compare (labels of benchmark.inprocess.serving_modes); empty = all five
     modes: list[str] = field(default_factory=list)

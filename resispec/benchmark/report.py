@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -142,12 +143,48 @@ def write_report(rows: list[BenchRow], output_dir: str | Path, meta: dict[str, A
         markdown_table(rows),
         "",
     ]
+    noise = round_noise(rows)
+    if noise is not None:
+        lines += [noise, ""]
     lines += breakdown_markdown(rows)
     paths["md"].write_text("\n".join(lines))
     payload = {"meta": meta, "rows": [{**asdict(r), "label": r.label} for r in rows]}
     paths["json"].write_text(json.dumps(payload, indent=2, default=str))
     plot_speedup(rows, paths["png"])
     return paths
+
+
+def round_noise(rows: list[BenchRow]) -> str | None:
+    """How far apart the bench's rounds put each row's speedup (max / min - 1 over its rounds, each round's own AR
+    as the yardstick), as one line; None for a one-round run."""
+    spreads = [
+        max(sp) / min(sp) - 1
+        for r in rows
+        if r.method != "ar" and len(sp := r.stats.get("round_speedups") or []) > 1 and min(sp) > 0
+    ]
+    if not spreads:
+        return None
+    rounds = max(len(r.stats["round_speedups"]) for r in rows if r.stats.get("round_speedups"))
+    median = statistics.median(spreads)
+    return (
+        f"Rounds: each row ran {rounds} interleaved rounds (method order reversed every other round, fresh seeds); "
+        f"speedup above is over all of them. Between its rounds a row's speedup moved by a median {median:.1%} and "
+        f"at most {max(spreads):.1%} (max / min - 1): the resolution of this run's comparisons."
+    )
+
+
+def fixed_rows_of(rows: list[BenchRow], planned: BenchRow) -> list[BenchRow]:
+    """The fixed-tree rows of a tree=auto row's draft, rule and temperature (the trees it was chosen against)."""
+    return [
+        r
+        for r in rows
+        if r.method == "spec"
+        and r.temperature == planned.temperature
+        and r.draft == planned.draft
+        and r.rule == planned.rule
+        and r.speedup is not None
+        and not r.tree.startswith(("auto", "ref"))
+    ]
 
 
 def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
@@ -199,11 +236,13 @@ def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
             "AR decoded again on fresh rounds of the planner's calibration prompts, after the near-tied candidates "
             "and the best chain were decoded to choose it; in brackets the product model's figure (none for a draft "
             "head) and the speedup it was chosen at (biased up: the winner of near-ties is the luckiest); start-up: "
-            "the seconds the planner spent on the plan.",
+            "the seconds the planner spent on the plan. best fixed: the fastest fixed-tree row of the same draft and "
+            "rule in this run, and the planned row's speedup over it (= where the planner chose that very tree: the "
+            "two rows are the same decode, timed apart, so their ratio is the run's noise).",
             "",
-            "| T | row | predicted tau | measured tau | predicted speedup | measured speedup | candidates decoded "
-            "| planner start-up |",
-            "|---|---|---|---|---|---|---|---|",
+            "| T | row | predicted tau | measured tau | predicted speedup | measured speedup | best fixed "
+            "| planned / best fixed | candidates decoded | planner start-up |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in planned:
             pl = r.stats["plan"]
@@ -214,9 +253,15 @@ def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
                 notes.append(f"chosen at {pl['selected_speedup']:.2f}")
             speedup = f"{pl['speedup']:.2f}" + (f" ({'; '.join(notes)})" if notes else "")
             decoded = ", ".join(f"{c['tree']} {c['speedup']:.2f}x" for c in pl.get("candidates", [])) or "-"
+            fixed = fixed_rows_of(rows, r)
+            best, vs_best = "-", "-"
+            if fixed and r.speedup is not None:
+                b = max(fixed, key=lambda x: x.speedup)
+                same = " (=)" if r.tree == f"auto{b.tree}" else ""
+                best, vs_best = f"{b.tree} {b.speedup:.2f}", f"{r.speedup / b.speedup:.2f}{same}"
             lines.append(
                 f"| {r.temperature:g} | {r.label} | {tau} | {_fmt(r.tau)} | {speedup} | {_fmt(r.speedup)} "
-                f"| {decoded} | {pl.get('startup_s', 0.0):.1f} s |"
+                f"| {best} | {vs_best} | {decoded} | {pl.get('startup_s', 0.0):.1f} s |"
             )
         init_s = rows[0].stats.get("planner_init_s")
         if init_s is not None:

@@ -51,6 +51,8 @@ class Method:
     seconds: float = 0.0
     tokens: int = 0
     stats: list = field(default_factory=list)
+    round_seconds: list[float] = field(default_factory=list)  # per round of the bench (bench.rounds)
+    round_tokens: list[int] = field(default_factory=list)
 
 
 def tree_str(tree: list[int]) -> str:

@@ -181,25 +181,38 @@ def _methods(
 def time_methods(
     methods: list[Method], prompts: list[list[int]], bench: BenchConfig, temperature: float, device, bar
 ) -> None:
-    """Untimed short warm-up of every method, then every prompt through every method in turn (the same seed for
-    every method), adding each call's seconds, tokens and DecodeStats to its Method."""
+    """Untimed short warm-up of every method, then `bench.rounds` rounds of every prompt through every method in
+    turn (the same seed for every method; round r draws with seeds of its own), the method order reversed every
+    other round (ABBA: a drift of the machine's speed during a prompt's sweep weighs on the first and the last
+    methods alike), adding each call's seconds, tokens and DecodeStats to its Method and to its round."""
     for m in methods:  # warm-up: untimed, short
         for w in range(bench.warmup):
             bar.set_postfix_str(f"T={temperature:g} warm-up {m.row.label}")
             m.run(prompts[w % len(prompts)], bench.seed + 10_000 + w, 8)
             bar.update()
-    for i, p in enumerate(prompts):
+    rounds = max(1, bench.rounds)
+    for rnd in range(rounds):
+        order = methods if rnd % 2 == 0 else methods[::-1]
         for m in methods:
-            bar.set_postfix_str(f"T={temperature:g} prompt {i + 1}/{len(prompts)} {m.row.label}")
-            _sync(device)
-            t0 = time.perf_counter()
-            num, stats = m.run(p, bench.seed + i, bench.max_new_tokens)  # same seed for every method
-            _sync(device)
-            m.seconds += time.perf_counter() - t0
-            m.tokens += num
-            if stats is not None:
-                m.stats.append(stats)
-            bar.update()
+            m.round_seconds.append(0.0)
+            m.round_tokens.append(0)
+        for i, p in enumerate(prompts):
+            for m in order:
+                where = f"round {rnd + 1}/{rounds} " if rounds > 1 else ""
+                bar.set_postfix_str(f"T={temperature:g} {where}prompt {i + 1}/{len(prompts)} {m.row.label}")
+                _sync(device)
+                t0 = time.perf_counter()
+                # the same seed for every method; round 0 keeps the seeds of a one-round bench
+                num, stats = m.run(p, bench.seed + rnd * len(prompts) + i, bench.max_new_tokens)
+                _sync(device)
+                seconds = time.perf_counter() - t0
+                m.seconds += seconds
+                m.tokens += num
+                m.round_seconds[-1] += seconds
+                m.round_tokens[-1] += num
+                if stats is not None:
+                    m.stats.append(stats)
+                bar.update()
 
 
 def fill_rows(
@@ -214,6 +227,17 @@ def fill_rows(
         r.num_prompts, r.num_tokens, r.seconds = num_prompts, m.tokens, m.seconds
         r.tokens_per_second = m.tokens / m.seconds
         r.speedup = r.tokens_per_second / ar_tps
+        if len(m.round_seconds) > 1:  # each round's own speedup over that round's AR: the run's noise, shown
+            r.stats["round_speedups"] = [
+                (n / s) / (ar_n / ar_s)
+                for n, s, ar_n, ar_s in zip(
+                    m.round_tokens,
+                    m.round_seconds,
+                    methods[0].round_tokens,
+                    methods[0].round_seconds,
+                    strict=True,
+                )
+            ]
         if m.stats:
             total_stats = sum_stats(m.stats)
             r.stats = {**r.stats, **total_stats.as_dict()}  # keeps the plan of a tree=auto row
@@ -263,7 +287,9 @@ def bench_pair(
         )
         methods = _methods(target, drafts, tokenizer, bench, decode, temperature, sampling, plan)
         if bar is None:
-            total = len(methods) * (len(prompts) + bench.warmup) * len(bench.temperatures)
+            total = (
+                len(methods) * (len(prompts) * max(1, bench.rounds) + bench.warmup) * len(bench.temperatures)
+            )
             bar = tqdm(total=total, desc="bench", disable=not progress, unit="gen")
         time_methods(methods, prompts, bench, temperature, device, bar)
         rows += fill_rows(methods, len(prompts), drafts, plan)
@@ -421,6 +447,7 @@ def run_bench(
         "top_p": decode.top_p,
         "top_k": decode.top_k,
         "warmup": bench.warmup,
+        "rounds": max(1, bench.rounds),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     paths = write_report(rows, out_dir, meta)

@@ -771,9 +771,19 @@ def test_bench_report_keeps_the_plan_table_with_start_up():
     row = BenchRow(
         "spec", 1.0, "d", "resispec", "auto[1,1,1]", tau=2.35, speedup=1.46, stats={"plan": plan.as_dict()}
     )
-    text = "\n".join(breakdown_markdown([ar, row]))
+    chain = BenchRow("spec", 1.0, "d", "resispec", "[1,1,1]", tau=2.3, speedup=1.52)
+    wide = BenchRow("spec", 1.0, "d", "resispec", "[4,2,1]", tau=2.9, speedup=1.30)
+    others = [  # not the planned row's rule, draft or temperature: never its best fixed row
+        BenchRow("spec", 1.0, "d", "chain", "[1,1,1]", speedup=1.9),
+        BenchRow("spec", 1.0, "e", "resispec", "[1,1,1]", speedup=1.8),
+        BenchRow("spec", 0.0, "d", "resispec", "[1,1,1]", speedup=1.7),
+    ]
+    text = "\n".join(breakdown_markdown([ar, chain, wide, *others, row]))
     assert "| 1 | resispec auto[1,1,1] (d) | 2.40 (2.60) | 2.35 | 1.50 (1.62) | 1.46 " in text
-    assert "| [2, 1, 1] 1.41x, [1, 1, 1] 1.50x | 7.5 s |" in text
+    # the best fixed row of the same draft, rule and temperature; the planned tree is that very tree: (=)
+    assert "| 1.46 | [1,1,1] 1.52 | 0.96 (=) | [2, 1, 1] 1.41x, [1, 1, 1] 1.50x | 7.5 s |" in text
+    row.tree = "auto[2,1,1]"  # another tree than the best fixed row's: a plain ratio
+    assert "| [1,1,1] 1.52 | 0.96 | [2, 1, 1]" in "\n".join(breakdown_markdown([ar, chain, wide, row]))
     assert "Planner start-up before any plan (the target's forward table): 1.2 s." in text
 
 

@@ -421,6 +421,62 @@ def test_write_report_writes_three_files(tmp_path: Path):
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_speed_bench_rounds_reverse_the_order_with_fresh_seeds_and_show_their_spread(monkeypatch, tmp_path):
+    """bench.rounds: every prompt through every method per round, the order reversed every other round (ABBA), the
+    same seed for every method within a round and fresh seeds in the next (round 0 keeps a one-round bench's); the
+    speedup is over all rounds, each row keeps its per-round speedups and the report states their spread."""
+    import resispec.benchmark.speed as speed
+    from resispec.benchmark.results import Method
+
+    clock = [0.0]
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def method(row: BenchRow, seconds_by_round: list[float]) -> Method:
+        def run(prompt, seed, max_new_tokens):
+            if max_new_tokens == 8:  # the untimed warm-up
+                return 8, None
+            rnd = len([c for c in calls if c[0] == row.label]) // 2  # 2 prompts a round
+            calls.append((row.label, prompt[0], seed))
+            clock[0] += seconds_by_round[rnd]
+            return 10, None
+
+        return Method(row, run)
+
+    # round 1 is a slow phase of the machine (every method twice as slow); the spec row is 2x AR in both rounds,
+    # the other spec row 2x in round 0 and 2.5x in round 1
+    methods = [
+        method(BenchRow("ar", 1.0), [1.0, 2.0]),
+        method(BenchRow("spec", 1.0, "d", "chain", "[1]"), [0.5, 1.0]),
+        method(BenchRow("spec", 1.0, "d", "rrs", "[1]"), [0.5, 0.8]),
+    ]
+
+    class Bar:
+        def set_postfix_str(self, _):
+            pass
+
+        def update(self):
+            pass
+
+    bench = BenchConfig(rounds=2, seed=5, warmup=1, max_new_tokens=16)
+    speed.time_methods(methods, [[100], [200]], bench, 1.0, torch.device("cpu"), Bar())
+    labels = [m.row.label for m in methods]
+    assert [c[0] for c in calls] == labels + labels + labels[::-1] + labels[::-1]  # ABBA
+    assert [c[2] for c in calls] == [5] * 3 + [6] * 3 + [7] * 3 + [8] * 3  # round 1: fresh seeds
+    assert [c[1] for c in calls] == [100] * 3 + [200] * 3 + [100] * 3 + [200] * 3
+    rows = speed.fill_rows(methods, 2, {}, None)
+    assert [r.num_tokens for r in rows] == [40, 40, 40]
+    assert rows[1].speedup == pytest.approx(2.0) and rows[1].stats["round_speedups"] == pytest.approx(
+        [2.0, 2.0]
+    )
+    assert rows[2].stats["round_speedups"] == pytest.approx([2.0, 2.5])
+    assert rows[2].speedup == pytest.approx(6.0 / 2.6)  # over all rounds: 40 tokens in 2.6 s against 6 s
+    md = write_report(rows, tmp_path, {"rounds": 2})["md"].read_text()
+    assert "each row ran 2 interleaved rounds" in md
+    assert "moved by a median 12.5% and at most 25.0%" in md  # the spec rows' spreads: 0% and 25% (AR: none)
+    assert "Rounds:" not in write_report(rows[:1], tmp_path, {})["md"].read_text()  # one round: no line
+
+
 def test_sum_stats_adds_counters():
     a = DecodeStats(
         num_drafts=2, num_accepted_tokens=3, accepted_per_position=[2, 1], reached_per_position=[2, 1]
