@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class BenchConfig:
-    num_prompts: int = 8
+    num_prompts: int = 8  # speed bench: prompts per round (bench.rounds)
     warmup: int = 1  # warm-up generations per method before timing (never timed)
     max_new_tokens: int = 64
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -46,9 +46,9 @@ class BenchConfig:
     # run-to-run noise: docs/journal/vllm.md, "Unequal request lengths")
     output_len_range_ratio: float = 0.0
     # rounds of the whole measurement, merged; on a machine whose speed drifts within minutes one round is noise.
-    # Speed bench: every prompt through every method per round, the order reversed every other round, fresh seeds per
-    # round (report: each row's round-to-round spread). Load sweep and in-process comparison (python bench/load.py):
-    # every server or mode in turn at each level, merged per (server, level). conf/bench/default.yaml: 2
+    # Speed bench: each round its own num_prompts prompts, each through every method in turn, the order reversed every
+    # other round (report: each row's round-to-round spread). Load sweep and in-process comparison (python
+    # bench/load.py): every server or mode in turn at each level, merged per (server, level). conf/bench/default.yaml: 2
     rounds: int = 1
     # in-process comparison: the serving modes to compare (labels of benchmark.inprocess.serving_modes); empty = all five
     modes: list[str] = field(default_factory=list)

@@ -167,9 +167,9 @@ def round_noise(rows: list[BenchRow]) -> str | None:
     rounds = max(len(r.stats["round_speedups"]) for r in rows if r.stats.get("round_speedups"))
     median = statistics.median(spreads)
     return (
-        f"Rounds: each row ran {rounds} interleaved rounds (method order reversed every other round, fresh seeds); "
-        f"speedup above is over all of them. Between its rounds a row's speedup moved by a median {median:.1%} and "
-        f"at most {max(spreads):.1%} (max / min - 1): the resolution of this run's comparisons."
+        f"Rounds: {rounds} interleaved rounds, each on its own prompts (the method order reversed every other "
+        f"round); speedup above is over all of them. Between rounds a row's speedup moved by a median {median:.1%} "
+        f"and at most {max(spreads):.1%} (max / min - 1): other prompts and the machine's noise, together."
     )
 
 

@@ -13,6 +13,7 @@ random-weight pair shaped like the tiny world instead (no built world needed; sp
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -178,32 +179,39 @@ def _methods(
     return out
 
 
+def round_prompts(prompts: list[list[int]], rounds: int) -> list[list[tuple[int, list[int]]]]:
+    """The bench's prompts split into `rounds` consecutive blocks, one per round (run_bench loads bench.num_prompts
+    per round), each prompt with its index (its seed: bench.seed + index); at most one round per prompt."""
+    per = math.ceil(len(prompts) / max(1, min(rounds, len(prompts))))
+    indexed = list(enumerate(prompts))
+    return [indexed[i : i + per] for i in range(0, len(indexed), per)]
+
+
 def time_methods(
     methods: list[Method], prompts: list[list[int]], bench: BenchConfig, temperature: float, device, bar
 ) -> None:
-    """Untimed short warm-up of every method, then `bench.rounds` rounds of every prompt through every method in
-    turn (the same seed for every method; round r draws with seeds of its own), the method order reversed every
-    other round (ABBA: a drift of the machine's speed during a prompt's sweep weighs on the first and the last
-    methods alike), adding each call's seconds, tokens and DecodeStats to its Method and to its round."""
+    """Untimed short warm-up of every method, then `bench.rounds` rounds (round_prompts: each its own prompts),
+    each prompt of a round through every method in turn (the same seed for every method), the method order reversed
+    every other round (ABBA: a drift of the machine's speed during a prompt's sweep weighs on the first and the
+    last methods alike), adding each call's seconds, tokens and DecodeStats to its Method and to its round."""
     for m in methods:  # warm-up: untimed, short
         for w in range(bench.warmup):
             bar.set_postfix_str(f"T={temperature:g} warm-up {m.row.label}")
             m.run(prompts[w % len(prompts)], bench.seed + 10_000 + w, 8)
             bar.update()
-    rounds = max(1, bench.rounds)
-    for rnd in range(rounds):
+    rounds = round_prompts(prompts, bench.rounds)
+    for rnd, block in enumerate(rounds):
         order = methods if rnd % 2 == 0 else methods[::-1]
         for m in methods:
             m.round_seconds.append(0.0)
             m.round_tokens.append(0)
-        for i, p in enumerate(prompts):
+        for i, p in block:
             for m in order:
-                where = f"round {rnd + 1}/{rounds} " if rounds > 1 else ""
+                where = f"round {rnd + 1}/{len(rounds)} " if len(rounds) > 1 else ""
                 bar.set_postfix_str(f"T={temperature:g} {where}prompt {i + 1}/{len(prompts)} {m.row.label}")
                 _sync(device)
                 t0 = time.perf_counter()
-                # the same seed for every method; round 0 keeps the seeds of a one-round bench
-                num, stats = m.run(p, bench.seed + rnd * len(prompts) + i, bench.max_new_tokens)
+                num, stats = m.run(p, bench.seed + i, bench.max_new_tokens)  # same seed for every method
                 _sync(device)
                 seconds = time.perf_counter() - t0
                 m.seconds += seconds
@@ -400,17 +408,19 @@ def run_bench(
 ) -> list[BenchRow]:
     """Load the pair (and any `bench.drafts`), measure every method, write the report, print the table, log W&B.
 
-    prompts: token id lists; default: `bench.num_prompts` held-out prompts of `data` (split `test`).
+    prompts: token id lists; default: `bench.num_prompts` held-out prompts of `data` (split `test`) for each of
+    `bench.rounds` rounds.
     output_dir: default `bench.output_dir`; one of them must be set.
     bench.random_pair: time a random pair shaped like the tiny world instead (random prompts; no world, no data).
     """
 
+    rounds = max(1, bench.rounds)  # bench.num_prompts prompts a round
     out_dir = output_dir or bench.output_dir
     if out_dir is None:
         raise ValueError("run_bench needs output_dir (or bench.output_dir)")
     if bench.random_pair:
         target, draft, tokenizer = random_pair(resolve_device(target_cfg.device), bench.seed)
-        prompts = prompts or random_prompts(bench.num_prompts, bench.seed)
+        prompts = prompts or random_prompts(bench.num_prompts * rounds, bench.seed)
     else:
         target, draft, tokenizer = load_pair(target_cfg, draft_cfg, world)
     drafts = {bench.draft_label: draft}
@@ -424,8 +434,8 @@ def run_bench(
     if prompts is None:
         if data is None:
             raise ValueError("run_bench needs prompts or a data config")
-        prompts = load_heldout_prompts(data, tokenizer, world, bench.num_prompts)
-    prompts = prompts[: bench.num_prompts]
+        prompts = load_heldout_prompts(data, tokenizer, world, bench.num_prompts * rounds)
+    prompts = prompts[: bench.num_prompts * rounds]
     calibration = None  # the planner calibrates on validation prompts, never on the prompts it is measured on
     if bench.plan_rules and not bench.random_pair and data is not None and bench.plan_calibration_prompts > 0:
         calibration = load_heldout_prompts(
@@ -447,7 +457,7 @@ def run_bench(
         "top_p": decode.top_p,
         "top_k": decode.top_k,
         "warmup": bench.warmup,
-        "rounds": max(1, bench.rounds),
+        "rounds": len(round_prompts(prompts, bench.rounds)),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     paths = write_report(rows, out_dir, meta)

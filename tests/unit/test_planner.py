@@ -283,8 +283,9 @@ def test_the_winner_is_remeasured_on_fresh_rounds():
 
 
 def test_the_remeasured_speedup_shrugs_off_one_slow_decode():
-    """The re-measured speedup is the median of the fresh rounds' own ratios: one AR decode caught by another
-    process's burst (4x slower) does not move it, where a ratio of the sums would read 1.5x -> 2.4x."""
+    """The re-measured speedup is a ratio of sums without the highest- and lowest-ratio rounds: one AR decode caught
+    by another process's burst (4x slower) does not move it, where a plain ratio of the sums would read 1.5x ->
+    1.8x."""
 
     def decode(tree, rnd):
         slow = tree is None and rnd == 5  # one fresh round's AR decode, 4x slower
@@ -293,6 +294,26 @@ def test_the_remeasured_speedup_shrugs_off_one_slow_decode():
 
     plan = settle_by_decoding([_plan([1, 1], 150)], decode, rounds=4)
     assert plan.speedup == pytest.approx(1.5) and plan.tokens_per_s == pytest.approx(150.0)
+
+
+def test_the_measured_speedup_is_the_benchs_ratio_of_sums_not_a_median():
+    """Prompts whose speedups spread wide: the bench's figure is the ratio of the summed tokens per second, which
+    weighs a slow prompt by its time; a median of the rounds' ratios would read far above it (here 1.5x, against
+    0.83x for the plain ratio of sums and 0.9x trimmed)."""
+    from resispec.decoding.planner.settle import as_measured, trimmed_speedup
+
+    ar = [Decoded(48, 48, 0, 0.48) for _ in range(5)]  # AR: 100 tok/s on every prompt
+    seconds = [0.96, 0.96, 0.32, 0.32, 0.32]  # the candidate: 0.5x on two prompts, 1.5x on three
+    runs = [Decoded(48, 20, 28, s) for s in seconds]
+    speedup, ar_tps = trimmed_speedup(runs, ar)
+    # the rounds with the lowest (0.5x) and the highest (1.5x) ratio dropped: 0.5x, 1.5x, 1.5x left
+    assert speedup == pytest.approx((3 * 48 / (0.96 + 0.32 + 0.32)) / 100.0) and ar_tps == pytest.approx(
+        100.0
+    )
+    assert speedup == pytest.approx(0.9)
+    assert trimmed_speedup(runs[:2], ar[:2])[0] == pytest.approx(0.5)  # two rounds: nothing dropped
+    plan = as_measured(_plan([1, 1], 150), runs, ar)
+    assert plan.speedup == pytest.approx(0.9) and plan.tokens_per_s == pytest.approx(90.0)
 
 
 def test_a_chain_is_always_decoded_and_wins_ties():

@@ -422,8 +422,8 @@ def test_write_report_writes_three_files(tmp_path: Path):
 
 
 def test_speed_bench_rounds_reverse_the_order_with_fresh_seeds_and_show_their_spread(monkeypatch, tmp_path):
-    """bench.rounds: every prompt through every method per round, the order reversed every other round (ABBA), the
-    same seed for every method within a round and fresh seeds in the next (round 0 keeps a one-round bench's); the
+    """bench.rounds: each round its own prompts (consecutive blocks), each through every method in turn, the order
+    reversed every other round (ABBA), the same seed for every method (bench.seed + the prompt's index); the
     speedup is over all rounds, each row keeps its per-round speedups and the report states their spread."""
     import resispec.benchmark.speed as speed
     from resispec.benchmark.results import Method
@@ -459,12 +459,18 @@ def test_speed_bench_rounds_reverse_the_order_with_fresh_seeds_and_show_their_sp
             pass
 
     bench = BenchConfig(rounds=2, seed=5, warmup=1, max_new_tokens=16)
-    speed.time_methods(methods, [[100], [200]], bench, 1.0, torch.device("cpu"), Bar())
+    speed.time_methods(methods, [[100], [200], [300], [400]], bench, 1.0, torch.device("cpu"), Bar())
     labels = [m.row.label for m in methods]
     assert [c[0] for c in calls] == labels + labels + labels[::-1] + labels[::-1]  # ABBA
-    assert [c[2] for c in calls] == [5] * 3 + [6] * 3 + [7] * 3 + [8] * 3  # round 1: fresh seeds
-    assert [c[1] for c in calls] == [100] * 3 + [200] * 3 + [100] * 3 + [200] * 3
-    rows = speed.fill_rows(methods, 2, {}, None)
+    assert [c[1] for c in calls] == [100] * 3 + [200] * 3 + [300] * 3 + [400] * 3  # round 1: its own prompts
+    assert [c[2] for c in calls] == [5] * 3 + [6] * 3 + [7] * 3 + [8] * 3  # seed + the prompt's index
+    assert speed.round_prompts([[1], [2], [3]], 5) == [
+        [(0, [1])],
+        [(1, [2])],
+        [(2, [3])],
+    ]  # a round a prompt at most
+    assert speed.round_prompts([[1], [2], [3]], 2) == [[(0, [1]), (1, [2])], [(2, [3])]]
+    rows = speed.fill_rows(methods, 4, {}, None)
     assert [r.num_tokens for r in rows] == [40, 40, 40]
     assert rows[1].speedup == pytest.approx(2.0) and rows[1].stats["round_speedups"] == pytest.approx(
         [2.0, 2.0]
@@ -472,7 +478,7 @@ def test_speed_bench_rounds_reverse_the_order_with_fresh_seeds_and_show_their_sp
     assert rows[2].stats["round_speedups"] == pytest.approx([2.0, 2.5])
     assert rows[2].speedup == pytest.approx(6.0 / 2.6)  # over all rounds: 40 tokens in 2.6 s against 6 s
     md = write_report(rows, tmp_path, {"rounds": 2})["md"].read_text()
-    assert "each row ran 2 interleaved rounds" in md
+    assert "Rounds: 2 interleaved rounds, each on its own prompts" in md
     assert "moved by a median 12.5% and at most 25.0%" in md  # the spec rows' spreads: 0% and 25% (AR: none)
     assert "Rounds:" not in write_report(rows[:1], tmp_path, {})["md"].read_text()  # one round: no line
 

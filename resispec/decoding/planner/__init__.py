@@ -21,8 +21,9 @@ the same rule, are DECODED for real on the calibration prompts (settle_by_decodi
 each, the same seeded draws for every candidate, AR in the same rounds, ABBA order. Their tau and tokens per
 second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
 of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans
-speculation are settled the same way on a few real batched steps. Each candidate's speedup is the median of its
-rounds' own ratios to AR (one decode caught by another process's burst does not pick the tree), and the winner is
+speculation are settled the same way on a few real batched steps. Each candidate's speedup is its ratio of sums to AR,
+as the bench's, without its highest- and lowest-ratio rounds (one decode caught by another process's burst does
+not pick the tree), and the winner is
 decoded again with AR on REMEASURE_PASSES x as many FRESH rounds (other seeds, and the calibration prompts after
 the first SETTLE_PROMPTS): those figures are the plan's prediction, since the winner of near-ties is the luckiest
 and its selection figures are biased up (the winner's curse). A tree chosen over the best chain is decoded beside

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -129,24 +128,37 @@ def decode_rounds(
     return out
 
 
+def trimmed_speedup(per_round: Sequence[Decoded], ar: Sequence[Decoded]) -> tuple[float, float]:
+    """(speedup over AR, AR tokens per second) from rounds decoded back to back: the ratio of the summed tokens per
+    second, as the bench measures a row, over the rounds left once the one with the highest and the one with the
+    lowest candidate/AR ratio are dropped (3 rounds or more). A plain ratio of sums moves by tens of percent when
+    one decode is caught by another process's burst (AR at half speed in one round: "2.05x" for a chain of tau 1.78
+    on the tiny world); a median of the rounds' ratios does not, but it is not the bench's figure: the prompts'
+    speedups spread wide (0.85x-1.65x on the tiny world at T = 0) and a ratio of sums weighs the slow ones by their
+    time, so the median read 1-11% above it on the tiny world's T = 0 prompts."""
+    pairs = [(r, a) for r, a in zip(per_round, ar, strict=True) if r.seconds > 0 and a.seconds > 0]
+    if not pairs:
+        return 0.0, 0.0
+    if len(pairs) >= 3:
+        pairs = sorted(pairs, key=lambda ra: ra[0].tokens_per_s / ra[1].tokens_per_s)[1:-1]
+    run = sum((r for r, _ in pairs), Decoded())
+    base = sum((a for _, a in pairs), Decoded())
+    return (run.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else 0.0), base.tokens_per_s
+
+
 def as_measured(plan: Plan, per_round: Sequence[Decoded], ar: Sequence[Decoded]) -> Plan:
     """`plan` with its tau, step and tau_stderr from the sums of its rounds `per_round`, and its speedup over AR
-    (`ar`, decoded in the same rounds, back to back with it) the MEDIAN of the rounds' own ratios, not the ratio of
-    the sums: on a shared CPU one decode caught by another process's burst moves a ratio of sums by tens of
-    percent (AR at half speed in one round: "2.05x" for a chain of tau 1.78 on the tiny world), a median not.
-    tokens_per_s: that speedup times AR's median tokens per second. The model's figures kept in tau_model /
-    speedup_model."""
+    (`ar`, decoded in the same rounds, back to back with it) trimmed_speedup's: a ratio of sums, as the bench's,
+    with the rounds of the highest and the lowest ratio left out. tokens_per_s: that speedup times AR's tokens per
+    second over the same rounds. The model's figures kept in tau_model / speedup_model."""
     run = sum(per_round, Decoded())
-    ratios = [
-        r.tokens_per_s / a.tokens_per_s for r, a in zip(per_round, ar, strict=True) if a.tokens_per_s > 0
-    ]
-    speedup = statistics.median(ratios) if ratios else 0.0
+    speedup, ar_tps = trimmed_speedup(per_round, ar)
     return replace(
         plan,
         tau=run.tau,
         tau_stderr=run.tau_stderr,
         step_ms=1e3 * run.seconds / max(run.steps, 1),
-        tokens_per_s=speedup * statistics.median(a.tokens_per_s for a in ar),
+        tokens_per_s=speedup * ar_tps,
         speedup=speedup,
         measured=True,
         tau_model=plan.tau_model if plan.measured else _figure(plan.tau),
@@ -171,7 +183,7 @@ def settle_by_decoding(
 ) -> Plan:
     """The plan to use, by MEASURED tokens per second: the candidates of settle_candidates and AR are each decoded
     once a round (decode_rounds), round r with the same prompt and the same seeded draws for every candidate. Each
-    candidate's tau and step are its sums over the rounds, its speedup over AR the median of the rounds' ratios
+    candidate's tau and step are its sums over the rounds, its speedup over AR a trimmed ratio of sums
     (as_measured), and pick_measured chooses (a chain wins ties: a tree must beat it by `tie`, or by
     `z` standard errors of their taus' difference). Why measure: the model's tau multiplies per-depth acceptances
     as if depths were independent (optimistic at T > 0 for any tree with a multi-draw level: [2,2,1] predicted
