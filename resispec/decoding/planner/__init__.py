@@ -27,7 +27,8 @@ not pick the tree), and the winner is
 decoded again with AR on REMEASURE_PASSES x as many FRESH rounds (other seeds, and the calibration prompts after
 the first SETTLE_PROMPTS): those figures are the plan's prediction, since the winner of near-ties is the luckiest
 and its selection figures are biased up (the winner's curse). A tree chosen over the best chain is decoded beside
-that chain there, and must beat it again on those rounds (a chain wins ties).
+that chain there, and must beat it again on those rounds (a chain wins ties); a chain chosen is decoded there
+beside the runner-up, which takes its place if it measures faster on those rounds.
 
 A draft head (its forward reads the target's states; no cost or acceptance model) is planned by decoding only:
 every tree of HEAD_TREES at batch 1, batch 1's tree against the chain at larger sizes (Planner._settle_head).
