@@ -295,9 +295,7 @@ def bench_pair(
         )
         methods = _methods(target, drafts, tokenizer, bench, decode, temperature, sampling, plan)
         if bar is None:
-            total = (
-                len(methods) * (len(prompts) * max(1, bench.rounds) + bench.warmup) * len(bench.temperatures)
-            )
+            total = len(methods) * (len(prompts) + bench.warmup) * len(bench.temperatures)
             bar = tqdm(total=total, desc="bench", disable=not progress, unit="gen")
         time_methods(methods, prompts, bench, temperature, device, bar)
         rows += fill_rows(methods, len(prompts), drafts, plan)
