@@ -188,7 +188,8 @@ def fixed_rows_of(rows: list[BenchRow], planned: BenchRow) -> list[BenchRow]:
 
 
 def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
-    """The per-step time breakdown of the speculative rows and the measured cost model, as markdown lines."""
+    """The per-step time breakdown of the speculative rows and the measured cost model, then the tree=auto table
+    (plan_markdown), as markdown lines."""
     lines: list[str] = []
     costs = rows[0].stats.get("cost_model") if rows else None
     if costs:
@@ -229,6 +230,13 @@ def breakdown_markdown(rows: list[BenchRow]) -> list[str]:
                 f"| {b['overhead_frac_of_ar_token']:.0%} | {_pct(b.get('overhead_frac_of_target'))} | {_fmt(pred)} |"
             )
         lines.append("")
+    return lines + plan_markdown(rows)
+
+
+def plan_markdown(rows: list[BenchRow]) -> list[str]:
+    """The tree=auto rows' table (predicted against measured, the best fixed row of the same rule, the candidates
+    decoded, the planner's start-up) as markdown lines; none without planned rows."""
+    lines: list[str] = []
     planned = [r for r in rows if r.stats.get("plan")]
     if planned:
         lines += [
