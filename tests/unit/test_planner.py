@@ -20,6 +20,7 @@ from resispec.decoding.planner import (
     BATCH_SETTLE_MOST,
     BATCH_SETTLE_ROUNDS,
     BATCH_SETTLE_STEPS,
+    FINALISTS,
     NODE_GRID,
     REMEASURE_PASSES,
     SETTLE_MOST,
@@ -282,9 +283,9 @@ def test_the_winner_is_remeasured_on_fresh_rounds():
     assert [c["tree"] for c in plan.candidates] == [[2, 1], [1, 1]]
 
 
-def test_a_chain_winner_meets_the_runner_up_again_on_fresh_rounds():
+def test_a_chain_winner_meets_the_next_fastest_again_on_fresh_rounds():
     """A chain that won the settling only by its rounds' luck: it is decoded on the fresh rounds beside the
-    settling's runner-up, and the runner-up, faster there, is the plan (its figures from those rounds)."""
+    settling's next fastest, and the runner-up, faster there, is the plan (its figures from those rounds)."""
     ranked = [_plan([1, 1, 1], 300, 2.1), _plan([1, 1, 1, 1], 290, 2.3), _plan([4, 2], 200, 2.9)]
     calls = []
 
@@ -304,6 +305,26 @@ def test_a_chain_winner_meets_the_runner_up_again_on_fresh_rounds():
         ranked, lambda t, r: decode(t if t != [1, 1, 1, 1] else [9], r), rounds=2, band=0.05
     )
     assert again.tree == [1, 1, 1]
+
+
+def test_the_third_fastest_of_the_settling_can_win_on_fresh_rounds():
+    """FINALISTS: the settling's winner and the next fastest, FINALISTS decoders in all, meet on the fresh rounds;
+    the third of the settling, fastest there, is the plan; a fourth is not decoded again."""
+    assert FINALISTS == 3
+    ranked = [_plan([1, 1, 1], 300), _plan([2, 1, 1], 299), _plan([1, 1, 1, 1], 298), _plan([3, 1, 1], 297)]
+    settling = {(1, 1, 1): 171.0, (2, 1, 1): 166.0, (1, 1, 1, 1): 150.0, (3, 1, 1): 149.0}
+    fresh = {(1, 1, 1): 140.0, (2, 1, 1): 141.0, (1, 1, 1, 1): 152.0, (3, 1, 1): 200.0}
+    calls = []
+
+    def decode(tree, rnd):
+        key = None if tree is None else tuple(tree)
+        calls.append((key, rnd))
+        tps = 100.0 if key is None else (fresh if rnd >= 2 else settling)[key]
+        return Decoded(48, 20, 22, 48 / tps)
+
+    plan = settle_by_decoding(ranked, decode, rounds=2, band=0.05)
+    assert plan.tree == [1, 1, 1, 1] and plan.speedup == pytest.approx(1.52)
+    assert {k for k, r in calls if r >= 2} == {None, (1, 1, 1), (2, 1, 1), (1, 1, 1, 1)}  # not [3, 1, 1]
 
 
 def test_the_remeasured_speedup_shrugs_off_one_slow_decode():
@@ -414,10 +435,11 @@ def test_batch_one_plan_is_decoded_and_the_chain_wins_in_the_planner(micro_pair,
     decoded = {t for t, _, _ in calls}
     assert None in decoded and any(t is not None and set(t) == {1} for t in decoded)
     assert any(t is not None and set(t) != {1} for t in decoded)
-    # rounds 2 .. 5: the winner again (REMEASURE_PASSES x the 2 rounds), beside the settling's runner-up
+    # rounds 2 .. 5: the winner again (REMEASURE_PASSES x the 2 rounds), beside the next fastest of the settling
     assert {r for _, r, _ in calls} == set(range(2 + 2 * REMEASURE_PASSES)) and plan.startup_s > 0
+    settled = {t for t, r, _ in calls if r < 2} - {None}
     fresh = {t for t, r, _ in calls if r >= 2}
-    assert len(fresh) == 3 and {None, tuple(plan.tree)} < fresh
+    assert len(fresh) == 1 + min(FINALISTS, len(settled)) and {None, tuple(plan.tree)} < fresh
 
 
 def test_settling_work_is_bounded(micro_pair, monkeypatch):
@@ -460,14 +482,14 @@ def test_settling_work_is_bounded(micro_pair, monkeypatch):
     timed = [n for _, n in runs if n != 8]
     # the candidates and AR once a round, then on REMEASURE_PASSES x as many fresh rounds AR, the winner and the
     # best chain (a tree won) or the runner-up (a chain won) beside it
-    # best chain (a tree won) or the runner-up (a chain won) beside it: min(3, decoders) a fresh round
+    # best chain (a tree won) and the next fastest beside it: min(1 + FINALISTS, decoders) a fresh round
     assert all(n == SETTLE_TOKENS for n in timed)
-    fresh = min(3, len(decoders)) * REMEASURE_PASSES
+    fresh = min(1 + FINALISTS, len(decoders)) * REMEASURE_PASSES
     assert len(timed) == (len(decoders) + fresh) * SETTLE_PROMPTS
     assert len(plans[1].candidates) == len(decoders) - 1 and plans[4].measured
     batched = len(plans[4].candidates) + 1
     assert batched <= BATCH_SETTLE_MOST + 2
-    fresh = min(3, batched) * REMEASURE_PASSES
+    fresh = min(1 + FINALISTS, batched) * REMEASURE_PASSES
     assert len(steps) == (batched + fresh) * BATCH_SETTLE_ROUNDS * (BATCH_SETTLE_STEPS + 1)
 
 
@@ -488,8 +510,11 @@ def test_the_prediction_comes_from_prompts_that_did_not_choose_the_tree(micro_pa
         ),
     )
 
+    decoded = []
+
     def fake_call(self, tree, rnd):
         used.append((rnd, tuple(self.prompts[rnd % len(self.prompts)])))
+        decoded.append((rnd, None if tree is None else tuple(tree)))
         return Decoded(48, 20, 28, 48 / (100.0 if tree is None else 150.0))
 
     monkeypatch.setattr(planner_mod.CalibrationDecodes, "__call__", fake_call)
@@ -499,8 +524,9 @@ def test_the_prediction_comes_from_prompts_that_did_not_choose_the_tree(micro_pa
     assert calibrated == prompts[:SETTLE_PROMPTS]
     assert {p for r, p in used if r < SETTLE_PROMPTS} == {tuple(p) for p in prompts[:SETTLE_PROMPTS]}
     fresh = sorted(p for r, p in used if r >= SETTLE_PROMPTS)
-    # AR, the winner and the runner-up on each
-    assert fresh == sorted(3 * [tuple(p) for p in prompts[SETTLE_PROMPTS:]])
+    # AR and the finalists (the winner and the next fastest) on each
+    finalists = len({t for r, t in decoded if r >= SETTLE_PROMPTS})
+    assert finalists >= 2 and fresh == sorted(finalists * [tuple(p) for p in prompts[SETTLE_PROMPTS:]])
 
 
 def test_calibration_decodes_are_seeded_alike_and_real(micro_pair, monkeypatch):

@@ -21,14 +21,13 @@ the same rule, are DECODED for real on the calibration prompts (settle_by_decodi
 each, the same seeded draws for every candidate, AR in the same rounds, ABBA order. Their tau and tokens per
 second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
 of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans
-speculation are settled the same way on a few real batched steps. Each candidate's speedup is its ratio of sums to AR,
-as the bench's, without its highest- and lowest-ratio rounds (one decode caught by another process's burst does
-not pick the tree), and the winner is
-decoded again with AR on REMEASURE_PASSES x as many FRESH rounds (other seeds, and the calibration prompts after
-the first SETTLE_PROMPTS): those figures are the plan's prediction, since the winner of near-ties is the luckiest
-and its selection figures are biased up (the winner's curse). A tree chosen over the best chain is decoded beside
-that chain there, and must beat it again on those rounds (a chain wins ties); a chain chosen is decoded there
-beside the runner-up, which takes its place if it measures faster on those rounds.
+speculation are settled the same way on a few real batched steps. Each candidate's speedup is its ratio of sums
+to AR, as the bench's, without its highest- and lowest-ratio rounds (one decode caught by another process's burst
+does not pick the tree). The winner is decoded again with AR on REMEASURE_PASSES x as many FRESH rounds (other
+seeds, and the calibration prompts after the first SETTLE_PROMPTS), beside the best chain when the winner is a
+tree and the next fastest of the settling, FINALISTS in all: the fastest there is kept (a tree must beat the
+chain again; a chain wins ties), and its figures there are the plan's prediction, since the winner of near-ties
+is the luckiest and its selection figures are biased up (the winner's curse).
 
 A draft head (its forward reads the target's states; no cost or acceptance model) is planned by decoding only:
 every tree of HEAD_TREES at batch 1, batch 1's tree against the chain at larger sizes (Planner._settle_head).
@@ -66,6 +65,7 @@ from resispec.decoding.planner.settle import (
     BATCH_SETTLE_MOST,
     BATCH_SETTLE_ROUNDS,
     BATCH_SETTLE_STEPS,
+    FINALISTS,
     REMEASURE_PASSES,
     SETTLE_BAND,
     SETTLE_MOST,
@@ -99,6 +99,7 @@ __all__ = [
     "Plan",
     "Planner",
     "REMEASURE_PASSES",
+    "FINALISTS",
     "SETTLE_BAND",
     "SETTLE_MOST",
     "SETTLE_PROMPTS",

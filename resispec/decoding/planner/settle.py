@@ -28,11 +28,13 @@ TIE_MARGIN = 0.02
 # decodes leave tau ~5% noisy (the micro world: a chain's calibration tau 11% below its held-out one), and a tree
 # picked on noise can lose more than the margin
 TIE_Z = 1.0
-# the winner's prediction: it, the best chain (a tree won) or the runner-up (a chain won) and AR decoded again on
-# REMEASURE_PASSES x the settling rounds, fresh seeds (and, with the Planner's 12 prompts, the 8 prompts that did
-# not choose it), where the faster of the two is kept; at T = 1 tau over four 48-token decodes
+# the winner's prediction: it, the best chain (a tree won) and AR decoded again on REMEASURE_PASSES x the settling
+# rounds, fresh seeds (and, with the Planner's 12 prompts, the 8 prompts that did not choose it); at T = 1 tau over four 48-token decodes
 # moves ~10% between seed sets, and two passes halve the variance (docs/decoder_speed.md)
 REMEASURE_PASSES = 2
+# ... beside the next fastest candidates of the settling, FINALISTS decoders in all (AR apart): the faster on the
+# fresh rounds is kept (a tree over a chain by pick_measured's margin)
+FINALISTS = 3
 SETTLE_SEED = (
     20_000  # the seeds of the settling decodes: round r draws from SETTLE_SEED + r, every candidate alike
 )
@@ -197,10 +199,11 @@ def settle_by_decoding(
     rounds that chose it are biased up (the winner's curse; the selection figures stay in `selected_speedup` /
     `selected_tau`). A tree chosen over the best chain must beat it again there: the chain is decoded on the fresh
     rounds too, and pick_measured decides between the two on those rounds alone (a chain wins ties), so a tree
-    ahead only by the settling rounds' luck is dropped. A chain chosen is decoded there beside the settling's
-    runner-up, which takes its place if it measures faster there (a tree: by pick_measured's margin): on the tiny
-    world at T = 1 the settling put [1,1,1] at 1.60x against [1,1,1,1] at 1.41x, and the bench then measured
-    [1,1,1] at 0.93x of [1,1,1,1]. The plan returned is marked `measured`, keeps the model's figures (tau_model,
+    ahead only by the settling rounds' luck is dropped. The next fastest of the settling join them there, up to
+    FINALISTS, and take the winner's place if they measure faster there (a tree over a chain: by pick_measured's
+    margin): on the tiny world at T = 1 the settling put [1,1,1] at 1.60x against [1,1,1,1] at 1.41x (in another
+    run 1.71x, with [2,1,1] at 1.66x, against 1.50x), and the bench then measured [1,1,1] at 0.89-0.93x of
+    [1,1,1,1]. The plan returned is marked `measured`, keeps the model's figures (tau_model,
     speedup_model) and lists every candidate decoded."""
     near = settle_candidates(ranked, band, most)
     rounds_run = decode_rounds([None, *(p.tree for p in near)], decode, rounds)
@@ -220,11 +223,12 @@ def settle_by_decoding(
     ]
     finalists = [pick_measured(settled, tie, z)]
     chains = [p for p in settled if p.is_chain]
-    others = [p for p in settled if p is not finalists[0]]
     if not finalists[0].is_chain and chains:  # a tree must beat the best chain again on the fresh rounds
         finalists.append(max(chains, key=lambda p: p.tokens_per_s))
-    elif others:  # a chain winner against the runner-up: 4 rounds at T = 1 leave tau ~10% noisy
-        finalists.append(max(others, key=lambda p: p.tokens_per_s))
+    # and the next fastest of the settling, up to FINALISTS: 4 rounds at T = 1 leave tau ~10% noisy
+    for p in sorted(settled, key=lambda p: p.tokens_per_s, reverse=True):
+        if len(finalists) < FINALISTS and all(p is not f for f in finalists):
+            finalists.append(p)
     for p in finalists:
         p.selected_tau, p.selected_speedup = p.tau, p.speedup
     if not remeasure:
