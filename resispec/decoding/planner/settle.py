@@ -28,11 +28,12 @@ TIE_MARGIN = 0.02
 # decodes leave tau ~5% noisy (the micro world: a chain's calibration tau 11% below its held-out one), and a tree
 # picked on noise can lose more than the margin
 TIE_Z = 1.0
-# the winner's prediction: it, the best chain (a tree won) and AR decoded again on REMEASURE_PASSES x the settling
-# rounds, fresh seeds (and, with the Planner's 12 prompts, the 8 prompts that did not choose it); at T = 1 tau over four 48-token decodes
-# moves ~10% between seed sets, and two passes halve the variance (docs/decoder_speed.md)
+# the winner's prediction: it, the best chain (a tree won) and AR decoded again on REMEASURE_PASSES x the
+# settling rounds, fresh seeds (and, with the Planner's 12 prompts, the 8 prompts that did not choose it); at T = 1
+# tau over four 48-token decodes moves ~10% between seed sets, and two passes halve the variance
+# (docs/decoder_speed.md)
 REMEASURE_PASSES = 2
-# ... beside the next fastest candidates of the settling, FINALISTS decoders in all (AR apart): the faster on the
+# ... beside the next fastest candidates of the settling, FINALISTS decoders in all (AR apart): the fastest on the
 # fresh rounds is kept (a tree over a chain by pick_measured's margin)
 FINALISTS = 3
 SETTLE_SEED = (
