@@ -182,9 +182,8 @@ class BatchedSpeculativeDecoder(RowBatch):
         self.shape = parse_tree(list(tree))
         self.max_nodes = max_tree_nodes(self.shape)
         self.greedy_topk = greedy_topk
-        self._d_fwd = (
-            draft_forward if draft_forward is not None else draft if self.head else fast_forward(draft)
-        )
+        # a head's is a FastHead (or the head): its step, fuse and logits
+        self._d_fwd = draft_forward if draft_forward is not None else fast_forward(draft)
         self._d_dtype = draft.dtype  # read once: .dtype walks the parameters
         self.tcache, self.dcache = _HoleyCache(target), _HoleyCache(draft)
         # prefill the draft when a row joins (_join); off for a batch that never drafts
@@ -374,14 +373,15 @@ class BatchedSpeculativeDecoder(RowBatch):
         """_draft_root for a draft head: its forward over every row's pending (target feature, token) pairs; each
         row's root state kept for its first level."""
         hidden, ids, pos, new_valid, block = root_block(
-            self.head, [r.pending for r in rows], [r.length for r in rows], self.device
+            self._d_fwd, [r.pending for r in rows], [r.length for r in rows], self.device
         )
         allowed = self.dcache.allowed(ids.shape[1])
         allowed[:, :, self.dcache.num_cols :] = block
-        h = self.head.step(hidden, ids, pos, self.dcache.cache, additive_mask(allowed, self._d_dtype))[:, -1]
+        mask = additive_mask(allowed, self._d_dtype)
+        h = self._d_fwd.step(hidden, ids, pos, self.dcache.cache, mask)[:, -1]
         self.dcache.append(new_valid)
         step.states, step.level_start = [h[b : b + 1] for b in range(len(rows))], [0] * len(rows)
-        logits = self.head.target_logits(h)[:, : self.vocab_size]
+        logits = self._d_fwd.target_logits(h)[:, : self.vocab_size]
         q_all = probs_by_settings(logits, step.q_settings)  # [B, V]
         return [q_all[b : b + 1] for b in range(len(rows))]
 
@@ -454,10 +454,12 @@ class BatchedSpeculativeDecoder(RowBatch):
             for b, level in feed:
                 parents = [step.trees[b].parents[n] - step.level_start[b] for n in level]
                 hidden[b, : len(level)] = step.states[b][parents]
-            h = self.head.step(hidden, ids, pos - 1, self.dcache.cache, additive_mask(allowed, self._d_dtype))
+            h = self._d_fwd.step(
+                hidden, ids, pos - 1, self.dcache.cache, additive_mask(allowed, self._d_dtype)
+            )
             for b, level in feed:
                 step.states[b], step.level_start[b] = h[b, : len(level)], level.start
-            logits = self.head.target_logits(h)
+            logits = self._d_fwd.target_logits(h)
         else:
             logits = forward_logits(
                 self._d_fwd, ids, self.dcache.cache, pos, additive_mask(allowed, self._d_dtype)

@@ -105,7 +105,7 @@ class SpeculativeDecoder:
         self.greedy_topk = greedy_topk
         self._t_dtype, self._d_dtype = target.dtype, draft.dtype  # read once: .dtype walks the parameters
         self._target_fwd: Callable = make_forward(target) if fast_forward else target
-        self._draft_fwd: Callable = make_forward(draft) if fast_forward and not self.head else draft
+        self._draft_fwd: Callable = make_forward(draft) if fast_forward else draft  # a head's: FastHead
         if compile and self.device.type == "cuda":
             self._target_fwd = torch.compile(target, dynamic=True)
             if not self.head:
@@ -359,7 +359,12 @@ class SpeculativeDecoder:
             return tree, proposals, fed_depth
         if self.head is not None:
             levels = HeadLevels(
-                self.head, pending, dcache, num_committed, vocab, lambda fn: self._timed_draft(stats, fn)
+                self._draft_fwd,
+                pending,
+                dcache,
+                num_committed,
+                vocab,
+                lambda fn: self._timed_draft(stats, fn),
             )
             if not levels.ready:
                 return tree, proposals, -1

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from resispec.decoding.kv_cache import append_kv
+from resispec.models.head import is_head
 from resispec.models.head import rms_norm as _rms
 from resispec.models.head import rotate as _rotate
 
@@ -88,14 +89,17 @@ def _unsupported_reason(model) -> str | None:
 
 
 def fast_forward(model):
-    """The decoder's forward for `model`: a cached `FastCausalLM` where the architecture is supported, else the model
-    itself (the HF forward). Both are called as `fwd(input_ids=, attention_mask=, position_ids=, cache=,
+    """The decoder's forward for `model`: a cached `FastCausalLM` where the architecture is supported, a `FastHead`
+    for a draft head, else the model itself (the HF forward). A causal LM's is called as `fwd(input_ids=, attention_mask=, position_ids=, cache=,
     logits_to_keep=)` and return an object with `.logits` (resispec.decoding.kv_cache.forward_logits)."""
-    if isinstance(model, FastCausalLM):
+    if isinstance(model, (FastCausalLM, FastHead)):
         return model
     fast = getattr(model, "_resispec_fast_forward", None)
     if fast is None:
-        fast = FastCausalLM(model) if _unsupported_reason(model) is None else model
+        if is_head(model):
+            fast = FastHead(model)
+        else:
+            fast = FastCausalLM(model) if _unsupported_reason(model) is None else model
         # past nn.Module.__setattr__: the model itself must not become its own submodule (state_dict, .to())
         object.__setattr__(model, "_resispec_fast_forward", fast)
     return fast
@@ -151,6 +155,16 @@ def _concat(
 def _version(t: torch.Tensor) -> int | None:
     """In-place edits bump a tensor's version counter; an inference tensor (made under inference_mode) has none."""
     return None if t.is_inference() else t._version
+
+
+def _snapshot(sources: list) -> list:
+    """What `_changed` compares: each source tensor with its version and storage."""
+    return [(t, _version(t), t.data_ptr()) for t in sources if t is not None]
+
+
+def _changed(snapshot: list) -> bool:
+    """A tensor of `snapshot` was edited in place or its storage replaced (e.g. a checkpoint loaded, .to())."""
+    return any(_version(t) != version or t.data_ptr() != ptr for t, version, ptr in snapshot)
 
 
 def _positions_and_mask(input_ids: torch.Tensor, attention_mask, position_ids, cache) -> tuple:
@@ -253,12 +267,11 @@ class FastCausalLM:
                 self._fused.append((qkv, gate_up))
             if pack:
                 self._packed_head = _pack(self.head.weight)
-        self._fused_from = [(t, _version(t), t.data_ptr()) for t in sources if t is not None]
+        self._fused_from = _snapshot(sources)
 
     def _stale(self) -> bool:
-        if not self._fused:  # not built yet: a deep copy or an unpickled one (__getstate__)
-            return True
-        return any(_version(t) != version or t.data_ptr() != ptr for t, version, ptr in self._fused_from)
+        # not built yet (a deep copy or an unpickled one: __getstate__), or built from other weights
+        return not self._fused or _changed(self._fused_from)
 
     def __getstate__(self) -> dict:
         """Deep copies and pickles of the model carry this forward (it sits in the model's __dict__) without the
@@ -335,3 +348,101 @@ class FastCausalLM:
         return FastOutput(
             _linear(_rms(x, *self.norm), self.head.weight, self.head.bias, wxt, self._packed_head), hidden
         )
+
+
+class FastHead:
+    """The decoder's forward for a draft head (resispec/models/head.py `DraftHead`): `fuse`, `step`, `logits` and
+    `target_logits` with the head's math through this module's linears (packed or W @ x^T on CPU, as the target's),
+    q/k/v and gate/up fused, K/V appended in place (`step` needs a cache). Every other attribute is the head's.
+    Without this the head's draft phase cost ~3x the standalone draft's per forward on the tiny world (its LM head
+    alone is the target's width x 8192, multiplied unpacked): docs/draft_heads.md."""
+
+    def __init__(self, head) -> None:
+        self.head = head
+        self._linears: list = []  # fc, q/k/v, o, gate/up, down, lm_head: each (weight, bias, packed or None)
+        self._from: list = []  # the parameters the copies were made from (_snapshot)
+
+    def __getattr__(self, name: str):
+        head = self.__dict__.get("head")
+        if head is None:  # copy / pickle probing a half-built instance
+            raise AttributeError(name)
+        return getattr(head, name)
+
+    def __getstate__(self) -> dict:
+        """As FastCausalLM's: oneDNN's packed copies are neither copied nor pickled; the copy rebuilds them."""
+        return {**self.__dict__, "_linears": [], "_from": []}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def _build(self) -> None:
+        head = self.head
+        attn, mlp = head.midlayer.self_attn, head.midlayer.mlp
+        with torch.no_grad():
+            qkv, _ = _concat([(p.weight, None) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+            gate_up, _ = _concat([(p.weight, None) for p in (mlp.gate_proj, mlp.up_proj)])
+            weights = [
+                head.fc.weight,
+                qkv,
+                attn.o_proj.weight,
+                gate_up,
+                mlp.down_proj.weight,
+                head.lm_head.weight,
+            ]
+            pack = head.fc.weight.device.type == "cpu" and _can_pack(head.fc.weight.dtype)
+            self._linears = [(w, None, _pack(w) if pack else None) for w in weights]
+        self._from = _snapshot([p for p in head.parameters()])
+
+    def _weights(self) -> list:
+        """The copies, rebuilt when the head's parameters changed since they were made (checked once per call)."""
+        if not self._linears or _changed(self._from):
+            self._build()
+        return self._linears
+
+    @staticmethod
+    def _lin(x: torch.Tensor, linear: tuple) -> torch.Tensor:
+        weight, bias, packed = linear
+        return _linear(x, weight, bias, x.device.type == "cpu", packed)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return self._lin(features.to(self.head.dtype), self._weights()[0])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        norm = self.head.norm
+        return self._lin(_rms(h, norm.weight, norm.eps), self._weights()[5])
+
+    def target_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head.to_target_vocab(self.logits(h))
+
+    def step(self, hidden, ids, position_ids, cache, attention_mask=None) -> torch.Tensor:
+        """DraftHead.step with a cache: hidden [B, Q, H], ids and position_ids [B, Q], attention_mask 4D over
+        cache + new or None (causal) -> the pre-norm outputs [B, Q, H]."""
+        head, (_, qkv_w, o_w, gate_up_w, down_w, _) = self.head, self._weights()
+        layer = head.midlayer
+        bsz, num_q = ids.shape
+        position_ids, attention_mask = _positions_and_mask(ids, attention_mask, position_ids, cache)
+        e = F.embedding(ids, head._embed).to(hidden.dtype)
+        ln1, ln_h = layer.input_layernorm, layer.hidden_norm
+        x = torch.cat([_rms(e, ln1.weight, ln1.eps), _rms(hidden, ln_h.weight, ln_h.eps)], dim=-1)
+        heads, kv_heads, hd = head.num_heads, head.num_kv, head.head_dim
+        qkv = self._lin(x, qkv_w).reshape(bsz, num_q, heads + 2 * kv_heads, hd)
+        cos, sin = head.rotary(x, position_ids)
+        qk = _rotate(qkv[:, :, : heads + kv_heads].transpose(1, 2), cos[:, None], sin[:, None])
+        q, k, v = qk[:, :heads].contiguous(), qk[:, heads:], qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        cache_layer = cache.layers[0]
+        if not cache_layer.is_initialized:
+            cache_layer.lazy_initialization(k, v)
+        keys, values = append_kv(cache_layer, "keys", k), append_kv(cache_layer, "values", v)
+        a = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=attention_mask,
+            is_causal=attention_mask is None and num_q > 1,
+            scale=head.scaling,
+            enable_gqa=kv_heads != heads,
+        )
+        h = hidden + self._lin(a.transpose(1, 2).reshape(bsz, num_q, heads * hd), o_w)
+        ln2 = layer.post_attention_layernorm
+        gate, up = self._lin(_rms(h, ln2.weight, ln2.eps), gate_up_w).chunk(2, dim=-1)
+        return h + self._lin(F.silu(gate) * up, down_w)

@@ -338,9 +338,12 @@ class DraftHead(nn.Module):
         return self.lm_head(self.norm(h))
 
     def target_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the target's vocabulary [.., V]: a reduced vocabulary's other tokens get the dtype's min
-        (probability 0 after softmax)."""
-        logits = self.logits(h)
+        """Logits over the target's vocabulary [.., V] of pre-norm outputs (`to_target_vocab`)."""
+        return self.to_target_vocab(self.logits(h))
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [.., N] -> the target's vocabulary [.., V]: a reduced vocabulary's other tokens
+        get the dtype's min (probability 0 after softmax)."""
         if not self.reduced:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), torch.finfo(logits.dtype).min)

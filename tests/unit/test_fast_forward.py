@@ -216,6 +216,49 @@ def test_fused_but_not_packed_when_every_linear_would_not_fit(monkeypatch):
         )
 
 
+def _head_path(m, cache, feats, ids) -> tuple:
+    """A head's decoding path (m: the head or its fast forward): a prompt's pairs (causal), one more pair after
+    them, a level of 3 tree nodes under a mask (node 1 does not see node 0)."""
+    h0 = m.step(m.fuse(feats[:, :5]), ids[:, :5], torch.arange(5)[None], cache)
+    h1 = m.step(m.fuse(feats[:, 5:]), ids[:, 5:], torch.tensor([[5]]), cache)
+    mask = torch.zeros(1, 1, 3, 9)
+    mask[0, 0, 1, 6] = float("-inf")
+    level = m.step(h1.expand(1, 3, -1).contiguous(), ids[:, :3], torch.full((1, 3), 6), cache, mask)
+    return h0, h1, level, m.target_logits(level), m.logits(h0)
+
+
+def test_a_draft_heads_fast_forward_equals_the_heads_own_step():
+    """A draft head's fast forward (FastHead: packed / W @ x^T linears here, fused q/k/v and gate/up, K/V appended
+    in place) gives the head's own fuse, step and logits on every decoding path (`_head_path`), with GQA (the micro
+    target's 4 heads over 2) and with a reduced vocabulary; and it uses weights changed after it was built (a
+    training step)."""
+    from resispec.models.head import DraftHead
+
+    target = micro_llama(64, 4, VOCAB, seed=1, attention_gain=(8.0, 4.0))
+    gen = torch.Generator().manual_seed(3)
+    feats, ids = torch.randn(1, 6, 2 * 64, generator=gen), torch.randint(0, VOCAB, (1, 6), generator=gen)
+    for vocab in (None, 40):
+        counts = torch.arange(VOCAB, dtype=torch.float64) if vocab else None
+        head = DraftHead.from_target(
+            target, layers=[1, 3], draft_vocab_size=vocab, token_counts=counts, seed=2
+        )
+        fast = fast_forward(head)
+        assert isinstance(fast, ff.FastHead) and fast_forward(head) is fast and fast.layers == head.layers
+        for edit in range(2):
+            if edit:  # a training step after the forward was built (in place: the versions move)
+                with torch.no_grad():
+                    head.midlayer.self_attn.k_proj.weight.mul_(-2.0)
+                    head.lm_head.weight.add_(0.1)
+                    head.fc.weight.mul_(0.5)
+            caches = new_cache(head), new_cache(head)
+            with torch.inference_mode():
+                got = _head_path(fast, caches[0], feats, ids)
+                want = _head_path(head, caches[1], feats, ids)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, **TOL)
+            _same_caches(*caches)
+
+
 def test_unsupported_models_run_the_hf_forward():
     gelu = micro_llama(32, 1, VOCAB, seed=0, hidden_act="gelu")
     assert fast_forward(gelu) is gelu and fast_forward(gelu) is gelu
