@@ -17,6 +17,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -24,6 +25,9 @@ from omegaconf import OmegaConf
 
 from resispec.config import ResiSpecConfig, register_configs, to_typed
 from resispec.errors import exit_on_user_error
+
+if TYPE_CHECKING:
+    from resispec.training import DistillJob
 
 register_configs()
 
@@ -76,6 +80,23 @@ class StageClock:
             pass
 
 
+def beside_head_job(job: DistillJob) -> DistillJob | None:
+    """The job of a draft head trained beside the standalone draft (draft.head.beside): the draft's job with
+    draft.kind=head, its own train.max_steps where draft.head.max_steps is set, under distill_head/; None when no
+    head trains beside it."""
+    draft = job.draft
+    if draft.kind == "head" or not draft.head.beside:
+        return None
+    steps = draft.head.max_steps or job.train.max_steps
+    return dataclasses.replace(
+        job,
+        draft=dataclasses.replace(draft, kind="head"),
+        train=dataclasses.replace(job.train, max_steps=steps),
+        output_dir=Path(job.output_dir).parent / "distill_head",
+        name=job.name + "_head",
+    )
+
+
 def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: dict | None = None) -> dict:
     """Run models -> distill -> bench -> export under `output_dir` (distill/, bench/ and export/ sub-folders).
     Returns a summary."""
@@ -123,11 +144,8 @@ def run_pipeline(cfg: ResiSpecConfig, output_dir: str | Path, resolved_config: d
     job = DistillJob(**sections, output_dir=out / "distill", name=cfg.name, resolved_config=resolved_config)
     result = distill(job)
     head_result = None
-    if cfg.draft.kind != "head" and cfg.draft.head.beside:  # a draft head beside the draft
-        head_draft = dataclasses.replace(cfg.draft, kind="head")
-        head_job = dataclasses.replace(
-            job, draft=head_draft, output_dir=out / "distill_head", name=cfg.name + "_head"
-        )
+    head_job = beside_head_job(job)
+    if head_job is not None:
         head_result = distill(head_job)
         print("\nHeld-out acceptance of the draft head (depth d drafted from its own state, as in decoding):")
         print(format_metrics(head_result.metrics))

@@ -34,6 +34,9 @@ class HeadConfig:
     # the pipeline (train/pipeline.py) also trains a head beside the standalone draft (same data, loss, optim and
     # train sections), benches both and exports both: +recipe=tiny_head
     beside: bool = False
+    # the head's train.max_steps when it trains beside a draft; None = the draft's. A head starts from scratch
+    # where a standalone draft starts pre-trained (docs/draft_heads.md: the tiny head gains up to 600 steps)
+    max_steps: int | None = None
 
 
 @dataclass

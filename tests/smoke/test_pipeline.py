@@ -58,6 +58,35 @@ def test_pipeline_runs_every_stage_on_the_micro_world(micro_world, tmp_path):
     assert all(seconds >= 0 for seconds in history.values())
 
 
+def test_a_head_beside_the_draft_trains_its_own_number_of_steps(tmp_path):
+    """draft.head.beside: the pipeline also trains a head, on the draft's job with draft.kind=head under
+    distill_head/; draft.head.max_steps (the tiny_head recipe's 600: a head starts from scratch) replaces the
+    draft's train.max_steps for the head only."""
+    from hydra import compose, initialize_config_dir
+
+    from resispec.config import register_configs, to_typed
+    from resispec.training import JOB_SECTIONS, DistillJob
+
+    register_configs()
+    beside = _pipeline_module().beside_head_job
+    overrides = ([], ["draft.head.max_steps=4"], ["draft.head.beside=false"])
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfgs = [to_typed(compose("distill", ["+recipe=debug_head", *extra])) for extra in overrides]
+    jobs = [
+        DistillJob(**{k: getattr(c, k) for k in JOB_SECTIONS}, output_dir=tmp_path / "distill", name=c.name)
+        for c in cfgs
+    ]
+    head = beside(jobs[0])
+    assert head.draft.kind == "head" and jobs[0].draft.kind == "model"
+    assert head.train.max_steps == jobs[0].train.max_steps == 10
+    assert head.output_dir == tmp_path / "distill_head" and head.name == "debug_head_head"
+    assert beside(jobs[1]).train.max_steps == 4 and jobs[1].train.max_steps == 10
+    assert beside(jobs[2]) is None and beside(head) is None
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        tiny = to_typed(compose("distill", ["+recipe=tiny_head"]))
+    assert (tiny.draft.head.max_steps, tiny.train.max_steps) == (600, 450)
+
+
 def test_stage_clock_estimates_from_the_previous_run(tmp_path, capsys):
     stage_clock = _pipeline_module().StageClock
     stages = [("job/a", "first"), ("job/b", "second")]
