@@ -361,6 +361,41 @@ def test_the_measured_speedup_is_the_benchs_ratio_of_sums_not_a_median():
     assert plan.speedup == pytest.approx(0.9) and plan.tokens_per_s == pytest.approx(90.0)
 
 
+def test_at_t_above_zero_a_chain_is_measured_with_the_models_tau():
+    """Issue 45's T = 1 miss: four calibration decodes read [1,1,1]'s tau 13% above the model (2.95 against 2.60;
+    chains decoded 96 times on 12 test prompts: 2.57) and [1,1,1,1]'s on it, so [1,1,1] measured fastest and the
+    bench put [1,1,1,1] ahead. With chain_tau_from_model (the planner's setting at T > 0) a chain's tau is the
+    model's and its speedup is scaled by model / decoded tau: [1,1,1,1] wins. A tree keeps its decoded tau; without
+    the setting nothing changes."""
+    ranked = [_plan([1, 1, 1], 300, 2.60), _plan([1, 1, 1, 1], 299, 2.87), _plan([2, 1, 1], 298, 3.5)]
+    step_ms = {(1, 1, 1): 14.0, (1, 1, 1, 1): 15.0, (2, 1, 1): 17.0}
+    decoded_tau = {(1, 1, 1): 3.0, (1, 1, 1, 1): 48 / 17, (2, 1, 1): 3.2}
+
+    def decode(tree, rnd):
+        if tree is None:
+            return Decoded(48, 48, 0, 0.48)  # AR: 100 tok/s
+        key = tuple(tree)
+        steps = round(48 / decoded_tau[key])
+        return Decoded(48, steps, 48 - steps, steps * step_ms[key] / 1e3)
+
+    plain = settle_by_decoding(ranked, decode, rounds=2)
+    assert plain.tree == [1, 1, 1] and plain.tau == pytest.approx(3.0) and plain.tau_decoded is None
+    assert plain.speedup == pytest.approx(48 / (16 * 0.014) / 100)  # 2.14x as decoded
+    plan = settle_by_decoding(ranked, decode, rounds=2, chain_tau_from_model=True)
+    assert (
+        plan.tree == [1, 1, 1, 1]
+        and plan.tau == pytest.approx(2.87)
+        and plan.tau_model == pytest.approx(2.87)
+    )
+    assert plan.tau_decoded == pytest.approx(48 / 17)
+    assert plan.speedup == pytest.approx(48 / (17 * 0.015) / 100 * 2.87 / (48 / 17))
+    assert "the model's; decoded 2.82" in plan.describe()
+    by_tree = {tuple(c["tree"]): c for c in plan.candidates}
+    assert by_tree[(1, 1, 1)]["tau"] == pytest.approx(2.60) and by_tree[(1, 1, 1)]["tau_decoded"] == 3.0
+    assert by_tree[(1, 1, 1)]["speedup"] == pytest.approx(48 / (16 * 0.014) / 100 * 2.60 / 3.0)
+    assert by_tree[(2, 1, 1)]["tau"] == pytest.approx(3.2) and by_tree[(2, 1, 1)]["tau_decoded"] is None
+
+
 def test_a_chain_is_always_decoded_and_wins_ties():
     """A chain is decoded even when the model clearly prefers a tree; a tree must measure more than TIE_MARGIN
     faster than the best chain, so an exact tie, or a tree 1% ahead, goes to the chain."""
@@ -424,6 +459,10 @@ def test_batch_one_plan_is_decoded_and_the_chain_wins_in_the_planner(micro_pair,
     def fake_call(self, tree, rnd):
         calls.append((None if tree is None else tuple(tree), rnd, self.sampling["temperature"]))
         tps = 100.0 if tree is None else 150.0 if set(tree) == {1} else 140.0
+        # a chain decodes the model's tau (T = 1: the one it is given)
+        if tree is not None and set(tree) == {1}:
+            steps = 1000
+            return Decoded(48, steps, round(steps * (expected_tau(tree, {1: 0.55}) - 1)), 48 / tps)
         return Decoded(48, 20, 28, 48 / tps)
 
     monkeypatch.setattr(planner_mod.CalibrationDecodes, "__call__", fake_call)
@@ -431,7 +470,10 @@ def test_batch_one_plan_is_decoded_and_the_chain_wins_in_the_planner(micro_pair,
     with single_thread():
         planner = Planner(target, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]], continuation_tokens=8)
         plan = planner.choose(draft, "resispec", {"temperature": 1.0})
-    assert plan.is_chain and plan.measured and plan.speedup == pytest.approx(1.5)
+    # T = 1: the chain's tau is the model's (alpha(1) = 0.55), its decoded one beside it
+    assert plan.is_chain and plan.measured and plan.speedup == pytest.approx(1.5, rel=1e-3)
+    assert plan.tau == pytest.approx(expected_tau(plan.tree, {1: 0.55}))
+    assert plan.tau_decoded == pytest.approx(plan.tau, rel=1e-3)
     decoded = {t for t, _, _ in calls}
     assert None in decoded and any(t is not None and set(t) == {1} for t in decoded)
     assert any(t is not None and set(t) != {1} for t in decoded)
@@ -655,6 +697,8 @@ def test_planner_choose_on_micro_models(micro_pair, temperature):
         plan = planner.choose(draft, "resispec", {"temperature": temperature, "top_k": 0, "top_p": 1.0})
     assert plan.tree in candidate_trees(max_branch=max(plan.alpha))
     assert 1.0 <= plan.tau <= 1 + len(plan.tree)
+    # a chain at T > 0 is measured with the model's tau; at T = 0, and for any tree, with its decoded one
+    assert (plan.tau_decoded is not None) == (plan.is_chain and temperature > 0)
     assert plan.step_ms > 0 and plan.speedup > 0
     cost = planner.cost_for(draft)
     assert set(cost.target_ms) == set(cost.draft_ms)
@@ -860,6 +904,8 @@ def test_bench_report_keeps_the_plan_table_with_start_up():
     row.tree = "auto[2,1,1]"  # another tree than the best fixed row's: a plain ratio
     assert "| [1,1,1] 1.52 | 0.96 | [2, 1, 1]" in "\n".join(breakdown_markdown([ar, chain, wide, row]))
     assert "Planner start-up before any plan (the target's forward table): 1.2 s." in text
+    row.stats["plan"] = replace(plan, tau=2.6, tau_decoded=2.4).as_dict()  # a chain at T > 0: the model's tau
+    assert "| 2.60 (model; decoded 2.40) | 2.35 |" in "\n".join(breakdown_markdown([ar, chain, row]))
 
 
 def test_a_draft_head_is_planned_by_decoding(micro_pair):

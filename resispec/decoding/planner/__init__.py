@@ -19,7 +19,9 @@ optimistic at T > 0 for any tree with a multi-draw level (the tiny world: [2,2,1
 plans predicted within SETTLE_BAND of the best (at most SETTLE_MOST), and always the best-ranked plain chain of
 the same rule, are DECODED for real on the calibration prompts (settle_by_decoding): one generation per prompt
 each, the same seeded draws for every candidate, AR in the same rounds, ABBA order. Their tau and tokens per
-second are measured, not predicted, and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
+second are measured, not predicted (but at T > 0 a chain's tau is the model's, its decoded speedup scaled to it: a
+chain draws once a level, so the product model is its expectation, and a few decodes are the noisier estimate;
+settle.as_measured), and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
 of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans
 speculation are settled the same way on a few real batched steps. Each candidate's speedup is its ratio of sums
 to AR, as the bench's, without its highest- and lowest-ratio rounds (one decode caught by another process's burst

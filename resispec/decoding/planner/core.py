@@ -195,12 +195,17 @@ class Planner:
         at_b.overhead_per_node_ms = max(wide - small, 0.0) / (max_tree_nodes(list(OVERHEAD_TREE)) - 1)
         at_b.overhead_ms = max(small - at_b.overhead_per_node_ms, 0.0)
         ranked = rank_trees(at_b, alpha)
+        # at T > 0 a chain's tau is the model's (settle.as_measured): its decoded tau over a few calibration
+        # decodes is the noisier estimate
+        sampled = not is_greedy(settings.get("temperature", 1.0))
         if b == 1:  # always settled on real decodes: the candidates and the best chain, AR alongside
             decode = CalibrationDecodes(self.target, draft, rule_obj, self.prompts, settings)
-            return settle_by_decoding(ranked, decode, self._rounds())
+            return settle_by_decoding(ranked, decode, self._rounds(), chain_tau_from_model=sampled)
         if ranked[0].speedup > 1.0:  # speculation planned at this size: settled on real batched steps
             decode = BatchedCalibrationDecodes(self.target, draft, rule_obj, self.prompts, settings, rows=b)
-            return settle_by_decoding(ranked, decode, BATCH_SETTLE_ROUNDS, most=BATCH_SETTLE_MOST)
+            return settle_by_decoding(
+                ranked, decode, BATCH_SETTLE_ROUNDS, most=BATCH_SETTLE_MOST, chain_tau_from_model=sampled
+            )
         return ranked[
             0
         ]  # the model says do not speculate here: left to it (and to the scheduler's online model)

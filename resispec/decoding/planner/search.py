@@ -35,6 +35,8 @@ class Plan:
     # re-measured on fresh rounds (the winner of near-ties is the luckiest: its selection figures are biased up)
     selected_tau: float | None = None
     selected_speedup: float | None = None
+    # a chain at T > 0: tau is the model's (settle_by_decoding's chain_tau_from_model) and this the decoded one
+    tau_decoded: float | None = None
 
     @property
     def is_chain(self) -> bool:
@@ -48,6 +50,8 @@ class Plan:
             )
         decoded = ", ".join(f"{c['tree']} {c['speedup']:.2f}x" for c in self.candidates)
         tau_model = "" if self.tau_model is None else f" (model {self.tau_model:.2f})"
+        if self.tau_decoded is not None:
+            tau_model = f" (the model's; decoded {self.tau_decoded:.2f})"
         speedup_model = "" if self.speedup_model is None else f" (model {self.speedup_model:.2f}x)"
         chosen_at = "" if self.selected_speedup is None else f", chosen at {self.selected_speedup:.2f}x"
         return (

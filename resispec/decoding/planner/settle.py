@@ -150,22 +150,38 @@ def trimmed_speedup(per_round: Sequence[Decoded], ar: Sequence[Decoded]) -> tupl
     return (run.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else 0.0), base.tokens_per_s
 
 
-def as_measured(plan: Plan, per_round: Sequence[Decoded], ar: Sequence[Decoded]) -> Plan:
+def as_measured(
+    plan: Plan, per_round: Sequence[Decoded], ar: Sequence[Decoded], chain_tau_from_model: bool = False
+) -> Plan:
     """`plan` with its tau, step and tau_stderr from the sums of its rounds `per_round`, and its speedup over AR
     (`ar`, decoded in the same rounds, back to back with it) trimmed_speedup's: a ratio of sums, as the bench's,
     with the rounds of the highest and the lowest ratio left out. tokens_per_s: that speedup times AR's tokens per
-    second over the same rounds. The model's figures kept in tau_model / speedup_model."""
+    second over the same rounds. The model's figures kept in tau_model / speedup_model.
+
+    `chain_tau_from_model` (the planner sets it at T > 0): a chain's tau is the product model's, and its speedup
+    the decoded one scaled by model tau / decoded tau (the decodes emit a fixed number of tokens, so their time
+    goes as 1 / tau, prefill apart); the decoded tau is kept in tau_decoded. A chain draws once a level, so its
+    depths accept independently given the positions and the model, calibrated on every position of the calibration
+    continuations, is its expectation: on the tiny world at T = 1 within 0.3-3% of chains [1]*2 .. [1]*6 decoded
+    96 times on 12 test prompts, where four 48-token decodes of the calibration prompts read [1,1,1] 7% high
+    (docs/decoder_speed.md). Trees keep their decoded tau (the model is optimistic for a multi-draw level)."""
     run = sum(per_round, Decoded())
     speedup, ar_tps = trimmed_speedup(per_round, ar)
+    tau_model = plan.tau_model if plan.measured else _figure(plan.tau)
+    tau, tau_decoded = run.tau, None
+    if chain_tau_from_model and plan.is_chain and tau_model is not None and run.steps:
+        tau, tau_decoded = tau_model, run.tau
+        speedup *= tau_model / run.tau
     return replace(
         plan,
-        tau=run.tau,
+        tau=tau,
+        tau_decoded=tau_decoded,
         tau_stderr=run.tau_stderr,
         step_ms=1e3 * run.seconds / max(run.steps, 1),
         tokens_per_s=speedup * ar_tps,
         speedup=speedup,
         measured=True,
-        tau_model=plan.tau_model if plan.measured else _figure(plan.tau),
+        tau_model=tau_model,
         speedup_model=plan.speedup_model if plan.measured else _figure(plan.speedup),
     )
 
@@ -184,6 +200,7 @@ def settle_by_decoding(
     tie: float = TIE_MARGIN,
     z: float = TIE_Z,
     remeasure: bool = True,
+    chain_tau_from_model: bool = False,
 ) -> Plan:
     """The plan to use, by MEASURED tokens per second: the candidates of settle_candidates and AR are each decoded
     once a round (decode_rounds), round r with the same prompt and the same seeded draws for every candidate. Each
@@ -205,16 +222,21 @@ def settle_by_decoding(
     margin): on the tiny world at T = 1 the settling put [1,1,1] at 1.60x against [1,1,1,1] at 1.41x (in another
     run 1.71x, with [2,1,1] at 1.66x, against 1.50x), and the bench then measured [1,1,1] at 0.89-0.93x of
     [1,1,1,1]. The plan returned is marked `measured`, keeps the model's figures (tau_model,
-    speedup_model) and lists every candidate decoded."""
+    speedup_model) and lists every candidate decoded. `chain_tau_from_model` (T > 0): each chain's tau is the
+    model's, its speedup scaled to it (as_measured), in the settling and on the fresh rounds alike."""
     near = settle_candidates(ranked, band, most)
     rounds_run = decode_rounds([None, *(p.tree for p in near)], decode, rounds)
     ar = [r[0] for r in rounds_run]
-    settled = [as_measured(plan, [r[i] for r in rounds_run], ar) for i, plan in enumerate(near, 1)]
+    settled = [
+        as_measured(plan, [r[i] for r in rounds_run], ar, chain_tau_from_model)
+        for i, plan in enumerate(near, 1)
+    ]
     table = [
         {
             "tree": p.tree,
             "tau_model": p.tau_model,
             "tau": p.tau,
+            "tau_decoded": p.tau_decoded,
             "speedup_model": p.speedup_model,
             "speedup": p.speedup,
             "tokens": sum(r[i].tokens for r in rounds_run),
@@ -238,7 +260,9 @@ def settle_by_decoding(
         [None, *(p.tree for p in finalists)], decode, REMEASURE_PASSES * rounds, first=rounds
     )
     ar = [r[0] for r in fresh]
-    again = [as_measured(p, [r[i] for r in fresh], ar) for i, p in enumerate(finalists, 1)]
+    again = [
+        as_measured(p, [r[i] for r in fresh], ar, chain_tau_from_model) for i, p in enumerate(finalists, 1)
+    ]
     return replace(pick_measured(again, tie, z), candidates=table)
 
 
