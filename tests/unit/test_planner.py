@@ -394,6 +394,14 @@ def test_at_t_above_zero_a_chain_is_measured_with_the_models_tau():
     assert by_tree[(1, 1, 1)]["tau"] == pytest.approx(2.60) and by_tree[(1, 1, 1)]["tau_decoded"] == 3.0
     assert by_tree[(1, 1, 1)]["speedup"] == pytest.approx(48 / (16 * 0.014) / 100 * 2.60 / 3.0)
     assert by_tree[(2, 1, 1)]["tau"] == pytest.approx(3.2) and by_tree[(2, 1, 1)]["tau_decoded"] is None
+    # the scale is the model's tau over the decoded tau of the rounds the speedup sums (the middle one of three)
+    from resispec.decoding.planner.settle import as_measured
+
+    ar = [Decoded(48, 48, 0, 0.48)] * 3
+    runs = [Decoded(48, n, 48 - n, n * 0.014) for n in (24, 16, 21)]  # 1.43x, 2.14x, 1.63x
+    m = as_measured(_plan([1, 1, 1], 300, 2.6), runs, ar, chain_tau_from_model=True)
+    assert m.speedup == pytest.approx(48 / (21 * 0.014) / 100 * 2.6 / (48 / 21))
+    assert m.tau == 2.6 and m.tau_decoded == pytest.approx(144 / 61)
 
 
 def test_a_chain_is_always_decoded_and_wins_ties():

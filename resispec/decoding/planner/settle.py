@@ -132,6 +132,15 @@ def decode_rounds(
     return out
 
 
+def kept_rounds(per_round: Sequence[Decoded], ar: Sequence[Decoded]) -> list[tuple[Decoded, Decoded]]:
+    """The (candidate, AR) rounds trimmed_speedup sums: those with time on both sides, without the one with the
+    highest and the one with the lowest candidate/AR ratio (3 rounds or more)."""
+    pairs = [(r, a) for r, a in zip(per_round, ar, strict=True) if r.seconds > 0 and a.seconds > 0]
+    if len(pairs) >= 3:
+        pairs = sorted(pairs, key=lambda ra: ra[0].tokens_per_s / ra[1].tokens_per_s)[1:-1]
+    return pairs
+
+
 def trimmed_speedup(per_round: Sequence[Decoded], ar: Sequence[Decoded]) -> tuple[float, float]:
     """(speedup over AR, AR tokens per second) from rounds decoded back to back: the ratio of the summed tokens per
     second, as the bench measures a row, over the rounds left once the one with the highest and the one with the
@@ -140,11 +149,9 @@ def trimmed_speedup(per_round: Sequence[Decoded], ar: Sequence[Decoded]) -> tupl
     on the tiny world); a median of the rounds' ratios does not, but it is not the bench's figure: the prompts'
     speedups spread wide (0.85x-1.65x on the tiny world at T = 0) and a ratio of sums weighs the slow ones by their
     time, so the median read 1-11% above it on the tiny world's T = 0 prompts."""
-    pairs = [(r, a) for r, a in zip(per_round, ar, strict=True) if r.seconds > 0 and a.seconds > 0]
+    pairs = kept_rounds(per_round, ar)
     if not pairs:
         return 0.0, 0.0
-    if len(pairs) >= 3:
-        pairs = sorted(pairs, key=lambda ra: ra[0].tokens_per_s / ra[1].tokens_per_s)[1:-1]
     run = sum((r for r, _ in pairs), Decoded())
     base = sum((a for _, a in pairs), Decoded())
     return (run.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else 0.0), base.tokens_per_s
@@ -159,8 +166,9 @@ def as_measured(
     second over the same rounds. The model's figures kept in tau_model / speedup_model.
 
     `chain_tau_from_model` (the planner sets it at T > 0): a chain's tau is the product model's, and its speedup
-    the decoded one scaled by model tau / decoded tau (the decodes emit a fixed number of tokens, so their time
-    goes as 1 / tau, prefill apart); the decoded tau is kept in tau_decoded. A chain draws once a level, so its
+    the decoded one scaled by model tau / decoded tau over the rounds that speedup sums (the decodes emit a fixed
+    number of tokens, so their time goes as 1 / tau, prefill apart); the decoded tau over every round is kept in
+    tau_decoded. A chain draws once a level, so its
     depths accept independently given the positions and the model, calibrated on every position of the calibration
     continuations, is its expectation: on the tiny world at T = 1 within 0.3-3% of chains [1]*2 .. [1]*6 decoded
     96 times on 12 test prompts, where four 48-token decodes of the calibration prompts read [1,1,1] 7% high
@@ -171,7 +179,8 @@ def as_measured(
     tau, tau_decoded = run.tau, None
     if chain_tau_from_model and plan.is_chain and tau_model is not None and run.steps:
         tau, tau_decoded = tau_model, run.tau
-        speedup *= tau_model / run.tau
+        kept = sum((r for r, _ in kept_rounds(per_round, ar)), Decoded())
+        speedup *= tau_model / (kept.tau if kept.steps else run.tau)
     return replace(
         plan,
         tau=tau,
