@@ -168,11 +168,11 @@ def as_measured(
     `chain_tau_from_model` (the planner sets it at T > 0): a chain's tau is the product model's, and its speedup
     the decoded one scaled by model tau / decoded tau over the rounds that speedup sums (the decodes emit a fixed
     number of tokens, so their time goes as 1 / tau, prefill apart); the decoded tau over every round is kept in
-    tau_decoded. A chain draws once a level, so its
-    depths accept independently given the positions and the model, calibrated on every position of the calibration
-    continuations, is its expectation: on the tiny world at T = 1 within 0.3-3% of chains [1]*2 .. [1]*6 decoded
-    96 times on 12 test prompts, where four 48-token decodes of the calibration prompts read [1,1,1] 7% high
-    (docs/decoder_speed.md). Trees keep their decoded tau (the model is optimistic for a multi-draw level)."""
+    tau_decoded. A chain draws once a level, so its depths accept independently given the positions, and the
+    model, calibrated on every position of the calibration continuations, is its expectation: on the tiny world at
+    T = 1 within 0.3-3% of chains [1]*2 .. [1]*6 decoded 96 times on 12 test prompts, where the 4 calibration
+    prompts decoded read [1,1,1] 7% high (docs/decoder_speed.md). Trees keep their decoded tau (the model is
+    optimistic for a multi-draw level)."""
     run = sum(per_round, Decoded())
     speedup, ar_tps = trimmed_speedup(per_round, ar)
     tau_model = plan.tau_model if plan.measured else _figure(plan.tau)
