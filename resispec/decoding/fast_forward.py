@@ -167,6 +167,17 @@ def _changed(snapshot: list) -> bool:
     return any(_version(t) != version or t.data_ptr() != ptr for t, version, ptr in snapshot)
 
 
+def _cached_attention(layer, q, k, v, attention_mask, causal: bool, scale: float, gqa: bool) -> torch.Tensor:
+    """k and v [B, kv_heads, n, hd] appended in place to the cache `layer` (initialised on first use), then q
+    attending over every cached key: [B, heads, n, hd]."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(k, v)
+    keys, values = append_kv(layer, "keys", k), append_kv(layer, "values", v)
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=attention_mask, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
+
+
 def _positions_and_mask(input_ids: torch.Tensor, attention_mask, position_ids, cache) -> tuple:
     """(position ids [B, Q], the mask): positions after the cache when none are given; without a mask, Q > 1 new
     tokens after a non-empty cache get the causal one aligned to the cache's end (an empty cache: SDPA's is_causal)."""
@@ -322,19 +333,7 @@ class FastCausalLM:
             # contiguous: the W @ x^T product leaves rows as the fastest dim, and SDPA's CPU flash kernel needs a
             # contiguous last dim (else the math path: 2-3x the attention time at 16 rows)
             q, k, v = qk[:, :heads].contiguous(), qk[:, heads:], v.transpose(1, 2)
-            layer = cache.layers[i]
-            if not layer.is_initialized:
-                layer.lazy_initialization(k, v)
-            keys, values = append_kv(layer, "keys", k), append_kv(layer, "values", v)
-            a = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=attention_mask,
-                is_causal=causal,
-                scale=self.scaling,
-                enable_gqa=gqa,
-            )
+            a = _cached_attention(cache.layers[i], q, k, v, attention_mask, causal, self.scaling, gqa)
             x = x + _linear(a.transpose(1, 2).reshape(bsz, num_q, heads * hd), *o_p, wxt, packed[1])
             h = _rms(x, *ln2)
             if self.fuse:
@@ -429,18 +428,9 @@ class FastHead:
         cos, sin = head.rotary(x, position_ids)
         qk = _rotate(qkv[:, :, : heads + kv_heads].transpose(1, 2), cos[:, None], sin[:, None])
         q, k, v = qk[:, :heads].contiguous(), qk[:, heads:], qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        cache_layer = cache.layers[0]
-        if not cache_layer.is_initialized:
-            cache_layer.lazy_initialization(k, v)
-        keys, values = append_kv(cache_layer, "keys", k), append_kv(cache_layer, "values", v)
-        a = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=attention_mask,
-            is_causal=attention_mask is None and num_q > 1,
-            scale=head.scaling,
-            enable_gqa=kv_heads != heads,
+        causal = attention_mask is None and num_q > 1
+        a = _cached_attention(
+            cache.layers[0], q, k, v, attention_mask, causal, head.scaling, kv_heads != heads
         )
         h = hidden + self._lin(a.transpose(1, 2).reshape(bsz, num_q, heads * hd), o_w)
         ln2 = layer.post_attention_layernorm
