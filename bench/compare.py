@@ -28,18 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
 from resispec.analysis.compare import compare, plot_curves, run_curve, summarize
-from resispec.config import register_configs, to_typed
-
-
-def compose_distill(overrides: list[str]):
-    """The typed distill config for Hydra overrides (conf/distill.yaml, composed as train/distill.py does)."""
-    register_configs()
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return to_typed(compose(config_name="distill", overrides=overrides))
+from resispec.config import compose_typed
 
 
 def protocol(argv: list[str]) -> str:
@@ -70,7 +60,7 @@ def protocol(argv: list[str]) -> str:
                     continue
                 start = time.perf_counter()
                 loss, *extra = name.split()  # "fkl data.draft_fraction=0.5": a loss plus its own overrides
-                cfg = compose_distill([*args.overrides, f"loss={loss}", *extra])
+                cfg = compose_typed([*args.overrides, f"loss={loss}", *extra])
                 curve = run_curve(cfg, name, seed, args.out, args.every, args.temperatures)
                 curve["seconds"] = round(time.perf_counter() - start, 1)
                 if record.exists():  # merge into the file as it is now: another protocol may share --out

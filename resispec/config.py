@@ -8,7 +8,9 @@ sub-configs to the library; the library never sees the root.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
@@ -47,6 +49,19 @@ class ResiSpecConfig:
 def register_configs() -> None:
     """Register the schema with Hydra's ConfigStore (called by every entry script before @hydra.main)."""
     ConfigStore.instance().store(name="resispec_schema", node=ResiSpecConfig)
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's Hydra configs (editable install)
+
+
+def compose_typed(overrides: Sequence[str] = (), config_name: str = "distill") -> ResiSpecConfig:
+    """The typed config of `config_name` with Hydra `overrides`, composed from conf/ as the entry scripts compose
+    it: for argparse scripts that take Hydra overrides beside their own flags."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_typed(compose(config_name=config_name, overrides=list(overrides)))
 
 
 def to_typed(cfg) -> ResiSpecConfig:

@@ -21,11 +21,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from resispec.config import register_configs, to_typed
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from resispec.config import compose_typed
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -41,9 +37,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +recipe=llama3")
     args = parser.parse_intermixed_args(argv)
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        c = to_typed(compose(config_name="distill", overrides=args.overrides))
+    c = compose_typed(args.overrides)
     if args.measure:
         from resispec.training.loop import JOB_SECTIONS, DistillJob
         from resispec.training.measure import measure_step

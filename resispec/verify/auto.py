@@ -267,6 +267,14 @@ class ResiSpecAutoRule:
                 )
         return alpha
 
+    def closed_form_rows(self, q: Tensor, n: int) -> Tensor:
+        """Bool [B]: the rows of q [B, V] whose acceptance at n draws has a closed form (the i.i.d. branch's, and
+        the distinct branch's where that rule has one at n); the others need sampling (verify/estimate.py)."""
+        iid, distinct = self._branches(check_draws(n))
+        mask = self.policy.distinct_rows(q, n)
+        iid_rows = ~mask if covers(iid.closed_form_draws, n) else torch.zeros_like(mask)
+        return iid_rows | mask if covers(distinct.closed_form_draws, n) else iid_rows
+
     def branch_names(self, q: Tensor, n: int) -> list[str]:
         """The rule each row of q [B, V] would use (for reports)."""
         mask = self.policy.distinct_rows(q, n)

@@ -1,6 +1,7 @@
 """Per-node acceptance of any rule on given (p, q): the closed form where the rule has one, else Monte Carlo.
 
 rate, se = monte_carlo_alpha(rule, p, q, n, samples, generator)   # [N], [N]: propose + verify, `samples` runs
+alpha = mean_acceptance(rule, p, q, n, samples, generator)      # float: closed form where a row has one, else MC
 per_node_alpha(p, q, n, ["resispec", "gumbel"], samples, generator)  # {rule: {"alpha", "se", "method"}} + bounds
 """
 
@@ -26,6 +27,24 @@ def monte_carlo_alpha(
         rates.append((slot >= 0).double().view(-1, samples).mean(-1))
     rate = torch.cat(rates)
     return rate, (rate * (1 - rate) / samples).sqrt()
+
+
+def mean_acceptance(rule, p: Tensor, q: Tensor, n: int, samples: int, generator: torch.Generator) -> float:
+    """Mean per-node acceptance of `rule` at n draws over the nodes p, q [N, V]: the closed form on every row that
+    has one, Monte Carlo (monte_carlo_alpha, `samples` runs a node) on the others only. Every row has one where the
+    rule covers n (closed_form_draws); a rule that picks its scheme per row (resispec_auto) names its closed-form
+    rows in `closed_form_rows(q, n)`. Exact rows cost nothing and add no sampling noise."""
+    pd, qd = p.double(), q.double()
+    if covers(rule.closed_form_draws, n):
+        return float(rule.acceptance(pd, qd, n).mean())
+    named = getattr(rule, "closed_form_rows", None)
+    exact = named(qd, n) if named is not None else torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+    alpha = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device)
+    if bool(exact.any()):
+        alpha[exact] = rule.acceptance(pd[exact], qd[exact], n)
+    if not bool(exact.all()):
+        alpha[~exact] = monte_carlo_alpha(rule, p[~exact], q[~exact], n, samples, generator)[0]
+    return float(alpha.mean())
 
 
 def per_node_alpha(

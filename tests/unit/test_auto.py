@@ -313,6 +313,38 @@ def _mean_alpha(rule, p, q, n, samples, seed) -> tuple[float, float]:
     return float(rate.mean()), float((rate * (1 - rate) / samples).sum().sqrt() / rate.numel())
 
 
+def test_mean_acceptance_samples_only_the_rows_without_a_closed_form(monkeypatch) -> None:
+    """The planner's alpha for resispec_auto at n = 3 (its distinct branch, gumbel, has no closed form): the i.i.d.
+    rows get resispec's closed form and only the distinct rows are sampled, and the mean agrees with sampling every
+    row; at n = 1 (no row distinct) nothing is sampled."""
+    from resispec.verify import estimate
+
+    auto = VERIFIERS["resispec_auto"]
+    p, q = (x.float() for x in _logit_pairs(300, 16, 3.0, seed=3))
+    distinct = auto.policy.distinct_rows(q.double(), 3)
+    assert 0 < int(distinct.sum()) < len(q), "the case must mix the branches"
+    sampled_rows = []
+    real = estimate.monte_carlo_alpha
+
+    def spy(rule, pp, qq, n, samples, generator):
+        sampled_rows.append(len(qq))
+        return real(rule, pp, qq, n, samples, generator)
+
+    monkeypatch.setattr(estimate, "monte_carlo_alpha", spy)
+    got = estimate.mean_acceptance(auto, p, q, 3, 4000, torch.Generator().manual_seed(0))
+    assert sampled_rows == [int(distinct.sum())]
+    rate, _ = real(auto, p, q, 3, 4000, torch.Generator().manual_seed(1))
+    se = float((rate * (1 - rate) / 4000).sum().sqrt() / len(rate))
+    assert abs(got - float(rate.mean())) < 4.5 * se * 2**0.5 + 1e-9, (got, float(rate.mean()), se)
+    iid_rows = ~distinct
+    torch.testing.assert_close(
+        auto.closed_form_rows(q.double(), 3), iid_rows, msg="the i.i.d. rows are the closed-form ones"
+    )
+    sampled_rows.clear()
+    one = estimate.mean_acceptance(auto, p, q, 1, 4000, torch.Generator().manual_seed(0))
+    assert sampled_rows == [] and one == pytest.approx(float(VERIFIERS["chain"].acceptance(p, q, 1).mean()))
+
+
 def _assert_auto_not_below_branches(p, q, draws, samples, what) -> dict:
     auto = VERIFIERS["resispec_auto"]
     out = {}

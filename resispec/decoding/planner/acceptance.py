@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from resispec.sampling import is_greedy, probs
-from resispec.verify import VERIFIERS, covers
-from resispec.verify.estimate import monte_carlo_alpha
+from resispec.verify import VERIFIERS
+from resispec.verify.estimate import mean_acceptance
 
 
 @torch.inference_mode()
@@ -47,19 +47,13 @@ def calibrate_alpha(
     greedy rule's acceptance, P(argmax p among the top-n of q). `logits`: those nodes' (target, draft) logits when
     the caller already has them (node_logits of the same sequences and start)."""
     t_logits, d_logits = logits if logits is not None else node_logits(target, draft, sequences, start)
-    out = {}
     if is_greedy(settings.get("temperature", 1.0)):
         hits = greedy_hits(t_logits, d_logits, max_draws).double().mean(-1)
         return {n: float(hits[min(n, len(hits)) - 1]) for n in range(1, max_draws + 1)}
     p, q = probs(t_logits, **settings), probs(d_logits, **settings)
     rule_obj = VERIFIERS[rule] if isinstance(rule, str) else rule
     gen = torch.Generator(device=p.device).manual_seed(seed)
-    for n in range(1, max_draws + 1):
-        if covers(rule_obj.closed_form_draws, n):
-            out[n] = float(rule_obj.acceptance(p.double(), q.double(), n).mean())
-        else:
-            out[n] = float(monte_carlo_alpha(rule_obj, p, q, n, samples, gen)[0].mean())
-    return out
+    return {n: mean_acceptance(rule_obj, p, q, n, samples, gen) for n in range(1, max_draws + 1)}
 
 
 def expected_tau(tree: Sequence[int], alpha: dict[int, float]) -> float:

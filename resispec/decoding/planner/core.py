@@ -149,10 +149,16 @@ class Planner:
             plans[b].startup_s = shared_s + time.perf_counter() - t_b
         return plans
 
-    def _calibrate(self, draft, rule_obj, settings: dict) -> tuple[CostModel, dict[int, float]]:
-        """The batch-1 cost model (verification timed on the calibration's own nodes at T > 0) and alpha."""
-        cost = self.cost_for(draft)
-        # each prompt's nodes once: the calibration scores them, and the first prompt's time the verification
+    def acceptance(
+        self, draft: torch.nn.Module, rule: str, sampling: dict, auto_policy=None
+    ) -> dict[int, float]:
+        """alpha by number of draws of `rule` for `draft` under `sampling`, calibrated as choose() calibrates it
+        (the product model's input: expected_tau(tree, alpha))."""
+        settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
+        return self._alpha(draft, build_rule(rule, auto_policy), settings)[0]
+
+    def _alpha(self, draft, rule_obj, settings: dict) -> tuple[dict[int, float], list]:
+        """alpha averaged over the calibration prompts, and each prompt's (sequence, start, node logits)."""
         node_sets = [
             (seq, len(p), node_logits(self.target, draft, [seq], len(p)))
             for seq, p in zip(self._sequences(settings), self.calibration, strict=True)
@@ -161,7 +167,13 @@ class Planner:
             calibrate_alpha(self.target, draft, [seq], rule_obj, settings, start=start, logits=logits)
             for seq, start, logits in node_sets
         ]
-        alpha = {n: sum(a[n] for a in alphas) / len(alphas) for n in alphas[0]}
+        return {n: sum(a[n] for a in alphas) / len(alphas) for n in alphas[0]}, node_sets
+
+    def _calibrate(self, draft, rule_obj, settings: dict) -> tuple[CostModel, dict[int, float]]:
+        """The batch-1 cost model (verification timed on the calibration's own nodes at T > 0) and alpha."""
+        cost = self.cost_for(draft)
+        # each prompt's nodes once: the calibration scores them, and the first prompt's time the verification
+        alpha, node_sets = self._alpha(draft, rule_obj, settings)
         if not is_greedy(settings.get("temperature", 1.0)):
             vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
             device = next(draft.parameters()).device

@@ -1,0 +1,90 @@
+"""A chain's tau at T > 0: the planner's product model against many seeded decodes.
+
+python bench/experiments/chain_tau.py --draft <run>/distill/draft [--temperature 1] [--seeds 8] [--depths 2 3 4 5 6]
+    [--rules resispec resispec_auto] [--test-prompts 12] [-- Hydra overrides of conf/distill.yaml, e.g. +recipe=tiny]
+
+For each rule and chain [1]*d: the tau of the planner's product model (alpha calibrated as the Planner calibrates
+it, on the first SETTLE_PROMPTS validation prompts), and the tau decoded over `--seeds` seeded draws (48 tokens, EOS
+ignored, as the planner's settling decodes) of each of those calibration prompts and of `--test-prompts` test
+prompts. At T > 0 the planner takes the model's tau for a chain (resispec/decoding/planner/settle.py as_measured):
+a chain draws once a level, so the product model is its expectation, where four calibration decodes are the
+noisier estimate. This prints the evidence for that choice on any draft (docs/decoder_speed.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from tqdm.auto import tqdm
+
+from resispec.config import compose_typed
+from resispec.data.prompts import load_heldout_prompts
+from resispec.decoding import SpeculativeDecoder
+from resispec.decoding.planner import Planner, expected_tau
+from resispec.decoding.planner.settle import SETTLE_PROMPTS, SETTLE_TOKENS
+from resispec.models import load_pair
+from resispec.models.loading import load_drafter
+
+
+def decoded_tau(decoder, prompts, seeds: int, settings: dict, bar) -> float:
+    """Accepted-plus-one per step, summed over `seeds` seeded decodes of every prompt."""
+    steps = accepted = 0
+    for i, p in enumerate(prompts):
+        for s in range(seeds):
+            gen = torch.Generator().manual_seed(50_000 + 100 * i + s)
+            stats = decoder.generate(
+                torch.tensor([p]), generator=gen, max_new_tokens=SETTLE_TOKENS, eos_token_id=[], **settings
+            ).stats
+            steps, accepted = steps + stats.num_drafts, accepted + stats.num_accepted_tokens
+            bar.update()
+    return (accepted + steps) / steps
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", required=True, help="a draft folder (a run's distill/draft) or world:draft")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--depths", type=int, nargs="+", default=[2, 3, 4, 5, 6])
+    ap.add_argument("--rules", nargs="+", default=["resispec"])
+    ap.add_argument("--test-prompts", type=int, default=12)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml")
+    args = ap.parse_args(argv)
+    cfg = compose_typed(args.overrides)
+    target, _, tokenizer = load_pair(cfg.target, cfg.draft, cfg.world)
+    draft = load_drafter(dataclasses.replace(cfg.draft, path=args.draft), target, cfg.world)
+    calibration = load_heldout_prompts(cfg.data, tokenizer, cfg.world, SETTLE_PROMPTS, split="eval")
+    test = load_heldout_prompts(cfg.data, tokenizer, cfg.world, args.test_prompts)
+    settings = dict(temperature=args.temperature, top_p=cfg.decode.top_p, top_k=cfg.decode.top_k)
+    planner = Planner(target, calibration)
+    lines = [
+        f"chain tau at T = {args.temperature:g}: product model vs decoded ({args.seeds} seeds x prompt, "
+        f"{SETTLE_TOKENS} tokens, EOS ignored); draft {args.draft}",
+        "",
+        f"| rule | chain | model tau | decoded: {len(calibration)} calibration prompts "
+        f"| decoded: {len(test)} test prompts | model / test |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    total = len(args.rules) * len(args.depths) * args.seeds * (len(calibration) + len(test))
+    with tqdm(total=total, desc="chain tau decodes") as bar:
+        for rule in args.rules:
+            alpha = planner.acceptance(draft, rule, settings)
+            for d in args.depths:
+                tree = [1] * d
+                decoder = SpeculativeDecoder(target, draft, rule=rule, tree=tree)
+                model = expected_tau(tree, alpha)
+                cal, held = (
+                    decoded_tau(decoder, ps, args.seeds, settings, bar) for ps in (calibration, test)
+                )
+                lines.append(
+                    f"| {rule} | {tree} | {model:.3f} | {cal:.3f} | {held:.3f} | {model / held:.3f} |"
+                )
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
