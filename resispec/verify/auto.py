@@ -202,9 +202,14 @@ class ResiSpecAutoRule:
         """The surrogate is the i.i.d. branch's closed form where the distinct one has none."""
         return self.iid.closed_form_draws
 
-    def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> AutoProposal:
-        """q [B, V] -> AutoProposal(token_ids [B, n]); each row drafted by the branch its q selects."""
+    def propose(self, q: Tensor, n: int, generator: torch.Generator | None = None) -> Proposal:
+        """q [B, V] -> AutoProposal(token_ids [B, n]); each row drafted by the branch its q selects. One draw: the
+        i.i.d. rule's own proposal (no row is distinct at n = 1: AutoPolicy.distinct_rows), the same draws from
+        the same generator, without the two-branch bookkeeping (a host sync per node where a chain's levels are
+        selected and joined: 5-8% of a chain's step on the tiny world)."""
         check_draws(n)
+        if n == 1:
+            return self.iid.propose(q, 1, generator)
         iid, distinct = self._branches(n)
         mask = self.policy.distinct_rows(q, n)  # [B]
         d_rows, i_rows = mask.nonzero()[:, 0], (~mask).nonzero()[:, 0]
@@ -227,6 +232,8 @@ class ResiSpecAutoRule:
     def verify(self, p: Tensor, proposal: Proposal, generator: torch.Generator | None = None):
         """p [B, V] -> token [B], slot [B]; each row verified by the rule that drafted it."""
         check_pair(p, proposal.q)
+        if not isinstance(proposal, AutoProposal) and proposal.num_draws == 1:  # propose's one-draw proposal
+            return self.iid.verify(p, proposal, generator)
         if not isinstance(proposal, AutoProposal) or proposal.distinct_mask is None:
             raise ValueError("resispec_auto.verify needs the AutoProposal made by resispec_auto.propose")
         iid, distinct = self._branches(proposal.num_draws)

@@ -291,6 +291,8 @@ def test_auto_at_one_draw_is_the_iid_rule() -> None:
     assert not bool(auto.policy.distinct_rows(q, 1).any())
     assert auto.one_draw_is_standard
     torch.testing.assert_close(auto.acceptance(p, q, 1), chain.acceptance(p, q, 1), rtol=0, atol=1e-12)
+    # the i.i.d. rule's own proposal, without the two-branch bookkeeping (a chain's levels select and join it)
+    assert type(auto.propose(q, 1, torch.Generator().manual_seed(0))) is type(iid.propose(q, 1, None))
     for seed in range(5):
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         got = auto.verify(p, auto.propose(q, 1, g1), g1)
