@@ -27,7 +27,7 @@ speculation are settled the same way on a few real batched steps. Each candidate
 to AR, as the bench's, without its highest- and lowest-ratio rounds (one decode caught by another process's burst
 does not pick the tree). The winner is decoded again with AR on REMEASURE_PASSES x as many FRESH rounds (other
 seeds, and the calibration prompts after the first SETTLE_PROMPTS), beside the best chain when the winner is a
-tree and the next fastest of the settling, FINALISTS in all: the fastest there is kept (a tree must beat the
+tree, else the settling's runner-up (FINALISTS in all): the fastest there is kept (a tree must beat the
 chain again; a chain wins ties), and its figures there are the plan's prediction, since the winner of near-ties
 is the luckiest and its selection figures are biased up (the winner's curse).
 

@@ -34,8 +34,11 @@ TIE_Z = 1.0
 # (docs/decoder_speed.md)
 REMEASURE_PASSES = 2
 # ... beside the next fastest candidates of the settling, FINALISTS decoders in all (AR apart): the fastest on the
-# fresh rounds is kept (a tree over a chain by pick_measured's margin)
-FINALISTS = 3
+# fresh rounds is kept (a tree over a chain by pick_measured's margin). Two: the winner and the best chain (a tree
+# won) or the runner-up. A third won the fresh rounds when a chain's tau was decoded at T = 1 (run R); since a chain
+# takes the model's tau there, it won 1 of the 16 plans of runs Z and AA (T = 0: [2,2,1,1], 1.02x the best fixed
+# row), and its 8 decodes were 14% of a plan's start-up (docs/decoder_speed.md)
+FINALISTS = 2
 SETTLE_SEED = (
     20_000  # the seeds of the settling decodes: round r draws from SETTLE_SEED + r, every candidate alike
 )
@@ -226,11 +229,9 @@ def settle_by_decoding(
     rounds that chose it are biased up (the winner's curse; the selection figures stay in `selected_speedup` /
     `selected_tau`). A tree chosen over the best chain must beat it again there: the chain is decoded on the fresh
     rounds too, and pick_measured decides between the two on those rounds alone (a chain wins ties), so a tree
-    ahead only by the settling rounds' luck is dropped. The next fastest of the settling join them there, up to
-    FINALISTS, and take the winner's place if they measure faster there (a tree over a chain: by pick_measured's
-    margin): on the tiny world at T = 1 the settling put [1,1,1] at 1.60x against [1,1,1,1] at 1.41x (in another
-    run 1.71x, with [2,1,1] at 1.66x, against 1.50x), and the bench then measured [1,1,1] at 0.89-0.93x of
-    [1,1,1,1]. The plan returned is marked `measured`, keeps the model's figures (tau_model,
+    ahead only by the settling rounds' luck is dropped. A chain winner meets the settling's runner-up there
+    (FINALISTS in all), which takes its place if it measures faster there (a tree over a chain: by pick_measured's
+    margin). The plan returned is marked `measured`, keeps the model's figures (tau_model,
     speedup_model) and lists every candidate decoded. `chain_tau_from_model` (T > 0): each chain's tau is the
     model's, its speedup scaled to it (as_measured), in the settling and on the fresh rounds alike."""
     near = settle_candidates(ranked, band, most)
@@ -257,7 +258,7 @@ def settle_by_decoding(
     chains = [p for p in settled if p.is_chain]
     if not finalists[0].is_chain and chains:  # a tree must beat the best chain again on the fresh rounds
         finalists.append(max(chains, key=lambda p: p.tokens_per_s))
-    # and the next fastest of the settling, up to FINALISTS: 4 rounds at T = 1 leave tau ~10% noisy
+    # and the next fastest of the settling, up to FINALISTS: four rounds leave a tree's tau ~10% noisy at T = 1
     for p in sorted(settled, key=lambda p: p.tokens_per_s, reverse=True):
         if len(finalists) < FINALISTS and all(p is not f for f in finalists):
             finalists.append(p)
