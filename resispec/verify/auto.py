@@ -206,7 +206,7 @@ class ResiSpecAutoRule:
         """q [B, V] -> AutoProposal(token_ids [B, n]); each row drafted by the branch its q selects. One draw: the
         i.i.d. rule's own proposal (no row is distinct at n = 1: AutoPolicy.distinct_rows), the same draws from
         the same generator, without the two-branch bookkeeping (a host sync per node where a chain's levels are
-        selected and joined: 5-8% of a chain's step on the tiny world)."""
+        selected and joined)."""
         check_draws(n)
         if n == 1:
             return self.iid.propose(q, 1, generator)

@@ -35,9 +35,8 @@ TIE_Z = 1.0
 REMEASURE_PASSES = 2
 # ... beside the next fastest candidates of the settling, FINALISTS decoders in all (AR apart): the fastest on the
 # fresh rounds is kept (a tree over a chain by pick_measured's margin). Two: the winner and the best chain (a tree
-# won) or the runner-up. A third won the fresh rounds when a chain's tau was decoded at T = 1 (run R); since a chain
-# takes the model's tau there, it won 1 of the 16 plans of runs Z and AA (T = 0: [2,2,1,1], 1.02x the best fixed
-# row), and its 8 decodes were 14% of a plan's start-up (docs/decoder_speed.md)
+# won) or the runner-up. A third rarely won once a chain at T > 0 took the model's tau, and cost a seventh of the
+# start-up (the runs behind it: docs/decoder_speed.md)
 FINALISTS = 2
 SETTLE_SEED = (
     20_000  # the seeds of the settling decodes: round r draws from SETTLE_SEED + r, every candidate alike
