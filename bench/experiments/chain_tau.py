@@ -1,14 +1,16 @@
-"""A chain's tau at T > 0: the planner's product model against many seeded decodes.
+"""A chain's tau: the planner's product model against many seeded decodes, on the planner's and the bench's prompts.
 
 python bench/experiments/chain_tau.py --draft <run>/distill/draft [--temperature 1] [--seeds 8] [--depths 2 3 4 5 6]
     [--rules resispec resispec_auto] [--test-prompts 12] [-- Hydra overrides of conf/distill.yaml, e.g. +recipe=tiny]
 
 For each rule and chain [1]*d: the tau of the planner's product model (alpha calibrated as the Planner calibrates
 it, on the first SETTLE_PROMPTS validation prompts), and the tau decoded over `--seeds` seeded draws (48 tokens, EOS
-ignored, as the planner's settling decodes) of each of those calibration prompts and of `--test-prompts` test
-prompts. At T > 0 the planner takes the model's tau for a chain (resispec/decoding/planner/settle.py as_measured):
-a chain draws once a level, so the product model is its expectation, where four calibration decodes are the
-noisier estimate. This prints the evidence for that choice on any draft (docs/decoder_speed.md).
+ignored, as the planner's settling decodes) of each of those calibration prompts, of the bench's other planner
+prompts (validation prompts SETTLE_PROMPTS .. bench.plan_calibration_prompts - 1: the fresh rounds') and of
+`--test-prompts` test prompts. At T > 0 the planner takes the model's tau for a chain (resispec/decoding/planner/
+settle.py as_measured): a chain draws once a level, so the product model is its expectation, where four
+calibration decodes are the noisier estimate. At T = 0 (greedy: one seed is enough) the columns show how far the
+planner's two prompt sets and the bench's disagree. The evidence on both: docs/decoder_speed.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import torch
 from tqdm.auto import tqdm
 
+from resispec.benchmark.config import BenchConfig
 from resispec.config import compose_typed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import SpeculativeDecoder
@@ -28,8 +31,9 @@ from resispec.models import load_pair
 from resispec.models.loading import load_drafter
 
 
-def decoded_tau(decoder, prompts, seeds: int, settings: dict, bar) -> float:
-    """Accepted-plus-one per step, summed over `seeds` seeded decodes of every prompt."""
+def decoded(decoder, prompts, seeds: int, settings: dict, bar) -> tuple[int, int]:
+    """(accepted plus one per step, steps), summed over `seeds` seeded decodes of every prompt: tau is their
+    ratio."""
     steps = accepted = 0
     for i, p in enumerate(prompts):
         for s in range(seeds):
@@ -39,7 +43,7 @@ def decoded_tau(decoder, prompts, seeds: int, settings: dict, bar) -> float:
             ).stats
             steps, accepted = steps + stats.num_drafts, accepted + stats.num_accepted_tokens
             bar.update()
-    return (accepted + steps) / steps
+    return accepted + steps, steps
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -55,7 +59,10 @@ def main(argv: list[str] | None = None) -> str:
     cfg = compose_typed(args.overrides)
     target, _, tokenizer = load_pair(cfg.target, cfg.draft, cfg.world)
     draft = load_drafter(dataclasses.replace(cfg.draft, path=args.draft), target, cfg.world)
-    calibration = load_heldout_prompts(cfg.data, tokenizer, cfg.world, SETTLE_PROMPTS, split="eval")
+    planner_prompts = load_heldout_prompts(
+        cfg.data, tokenizer, cfg.world, BenchConfig().plan_calibration_prompts, split="eval"
+    )
+    calibration, fresh = planner_prompts[:SETTLE_PROMPTS], planner_prompts[SETTLE_PROMPTS:]
     test = load_heldout_prompts(cfg.data, tokenizer, cfg.world, args.test_prompts)
     settings = dict(temperature=args.temperature, top_p=cfg.decode.top_p, top_k=cfg.decode.top_k)
     planner = Planner(target, calibration)
@@ -64,10 +71,11 @@ def main(argv: list[str] | None = None) -> str:
         f"{SETTLE_TOKENS} tokens, EOS ignored); draft {args.draft}",
         "",
         f"| rule | chain | model tau | decoded: {len(calibration)} calibration prompts "
+        f"| decoded: {len(fresh)} fresh-round prompts | decoded: all {len(planner_prompts)} planner prompts "
         f"| decoded: {len(test)} test prompts | model / test |",
-        "|---|---|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    total = len(args.rules) * len(args.depths) * args.seeds * (len(calibration) + len(test))
+    total = len(args.rules) * len(args.depths) * args.seeds * len(planner_prompts + test)
     with tqdm(total=total, desc="chain tau decodes") as bar:
         for rule in args.rules:
             alpha = planner.acceptance(draft, rule, settings)
@@ -75,12 +83,13 @@ def main(argv: list[str] | None = None) -> str:
                 tree = [1] * d
                 decoder = SpeculativeDecoder(target, draft, rule=rule, tree=tree)
                 model = expected_tau(tree, alpha)
-                cal, held = (
-                    decoded_tau(decoder, ps, args.seeds, settings, bar) for ps in (calibration, test)
+                cal, later, held = (
+                    decoded(decoder, ps, args.seeds, settings, bar) for ps in (calibration, fresh, test)
                 )
-                lines.append(
-                    f"| {rule} | {tree} | {model:.3f} | {cal:.3f} | {held:.3f} | {model / held:.3f} |"
-                )
+                both = (cal[0] + later[0], cal[1] + later[1])
+                taus = [a / b for a, b in (cal, later, both, held)]
+                cells = " | ".join(f"{t:.3f}" for t in taus)
+                lines.append(f"| {rule} | {tree} | {model:.3f} | {cells} | {model / taus[-1]:.3f} |")
     text = "\n".join(lines)
     print(text)
     return text
