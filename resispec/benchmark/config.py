@@ -60,9 +60,9 @@ class BenchConfig:
     # tree=auto rows: for each of these rules the planner (resispec/decoding/planner/) picks the tree from this
     # device's measured costs and the rule's calibrated acceptance; the report shows predicted vs measured
     plan_rules: list[str] = field(default_factory=lambda: ["resispec", "resispec_auto"])
-    plan_calibration_prompts: int = (
-        12  # validation prompts for the planner (Planner: the first 4 calibrate, the rest re-measure)
-    )
+    # validation prompts for the planner (Planner): the first 4 calibrate and choose, the next 8 re-measure the
+    # choice, and at T = 0 every one counts tau (greedy_tau)
+    plan_calibration_prompts: int = 48
     # also time the decoder on the HF forward (fast_forward=False) for every rule x tree, interleaved: the fast
     # forward's before/after in one run ("ref[...]" rows; the reference step itself is tests/oracle_decoder.py)
     reference_step: bool = False

@@ -274,9 +274,14 @@ def plan_markdown(rows: list[BenchRow]) -> list[str]:
                 f"| {r.temperature:g} | {r.label} | {tau} | {_fmt(r.tau)} | {speedup} | {_fmt(r.speedup)} "
                 f"| {best} | {vs_best} | {decoded} | {pl.get('startup_s', 0.0):.1f} s |"
             )
-        init_s = rows[0].stats.get("planner_init_s")
+        init_s, greedy_s = rows[0].stats.get("planner_init_s"), rows[0].stats.get("planner_greedy_s")
         if init_s is not None:
             lines.append(f"\nPlanner start-up before any plan (the target's forward table): {init_s:.1f} s.")
+        if greedy_s:
+            lines.append(
+                f"Planner start-up shared by the T = 0 plans, once (the target's greedy continuation of every planner "
+                f"prompt, whose hits count tau): {greedy_s:.1f} s."
+            )
         lines.append("")
     return lines
 

@@ -309,6 +309,7 @@ def bench_pair(
             for label, c in plan.costs({k: d for k, d in drafts.items() if not is_head(d)}).items()
         }
         rows[0].stats["planner_init_s"] = plan.init_s
+        rows[0].stats["planner_greedy_s"] = plan.greedy_s
     return rows
 
 

@@ -23,8 +23,8 @@ class DecodeConfig:
     # evaluation, which run before a trained draft exists to plan with, then use DEFAULT_TREE
     tree: Any = field(default_factory=lambda: list(DEFAULT_TREE))
     # tree=auto: held-out prompts (data eval split) for the planner: the first 4 calibrate acceptance and choose
-    # the tree, the rest re-measure the choice (Planner)
-    plan_prompts: int = 12
+    # the tree, the next 8 re-measure the choice, and at T = 0 every one counts tau (Planner)
+    plan_prompts: int = 48
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.config import DEFAULT_TREE, DecodeConfig
 from resispec.decoding.planner import (
     BATCH_NODE_GRID,
@@ -37,6 +38,8 @@ from resispec.decoding.planner import (
     candidate_trees,
     expected_tau,
     greedy_hits,
+    greedy_tau,
+    greedy_walk,
     measure_batch_overhead,
     measure_verify_ms,
     measure_verify_row_ms,
@@ -194,6 +197,55 @@ def test_greedy_alpha_is_the_hit_rate():
     for n in range(1, 5):
         top = d_logits.argsort(-1, descending=True)[:, :n]
         assert alpha[n] == pytest.approx(float((top == best).any(-1).double().mean()))
+
+
+def test_greedy_walk_by_hand():
+    """The decoder's temperature-0 step over a continuation of 6 tokens: level j of a step from token k accepts
+    while token k + j - 1 is among the draft's top b_j, at most r - 1 levels with r tokens left, one token more."""
+    hits = torch.tensor([[0, 1, 1, 0, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # top 1, top 2
+    assert greedy_walk([1], hits) == (4, 2)  # miss; 1 + bonus; miss; 1 + bonus
+    assert greedy_walk([1, 1], hits) == (3, 3)  # miss; 2 + bonus; the last token: 1 level left, accepted
+    assert greedy_walk([2, 1], hits) == (2, 4)  # the root's second-best catches tokens 0 and 3
+    assert greedy_walk([1] * 7, torch.ones(2, 6, dtype=torch.bool)) == (1, 5)  # 5 drafts + the bonus: all 6
+    assert greedy_tau([2, 1], [hits, hits]) == pytest.approx((8 + 4) / 4)
+    assert greedy_tau([1], []) == 1.0
+
+
+def test_greedy_tau_is_the_decoders_own_count(micro_world):
+    """At temperature 0 the planner counts tau instead of multiplying it: each prompt's greedy continuation
+    (decoded in one batch) is batch 1's, and walking the teacher-forced hits along it gives, for chains and trees
+    alike, exactly the steps and accepted tokens the decoder's SETTLE_TOKENS-token decode of that prompt records
+    (the settling decodes'; EOS ignored as there). On the micro world's trained pair (whose greedy text soon
+    repeats one token, but whose draft hits it at some positions and not others)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from resispec.analysis.headroom import token_windows
+    from resispec.models import stdlib_splits
+
+    world, paths = micro_world
+    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
+    target = AutoModelForCausalLM.from_pretrained(paths.target_dir).eval()
+    draft = AutoModelForCausalLM.from_pretrained(paths.draft_dir).eval()
+    prompts = [
+        w[: 12 + 3 * i] for i, w in enumerate(token_windows(tok, stdlib_splits(world)["test"], 4, 64, 16))
+    ]
+    with single_thread():
+        planner = Planner(target, prompts, continuation_tokens=4)
+        hit_sets = planner._greedy_hit_sets(draft)
+        ar = SpeculativeDecoder(target, target, rule="chain", tree=[1])
+        for p, seq, hits in zip(prompts, planner._greedy_sequences()[0], hit_sets, strict=True):
+            ids = torch.tensor([p])
+            ref = ar.generate_autoregressive(
+                ids, max_new_tokens=SETTLE_TOKENS, temperature=0.0, eos_token_id=[]
+            )
+            assert seq == ref.sequences[0].tolist() and hits.shape == (4, SETTLE_TOKENS)
+            for tree in ([1], [1, 1, 1], [1] * 6, [2, 1], [3, 2, 1], [4, 2, 2, 1]):
+                dec = SpeculativeDecoder(target, draft, rule="resispec", tree=tree)
+                out = dec.generate(ids, max_new_tokens=SETTLE_TOKENS, temperature=0.0, eos_token_id=[])
+                assert out.sequences[0].tolist() == seq
+                assert (out.stats.num_drafts, out.stats.num_accepted_tokens) == greedy_walk(tree, hits), tree
+    rates = torch.cat(hit_sets, dim=1).double().mean(-1)
+    assert 0.1 < rates[0] < 0.9 and rates[3] > rates[0]  # the draft both hits and misses: a walk with content
 
 
 def test_rank_trees_orders_every_candidate_and_plan_tree_is_its_first():
@@ -364,7 +416,7 @@ def test_the_measured_speedup_is_the_benchs_ratio_of_sums_not_a_median():
 def test_at_t_above_zero_a_chain_is_measured_with_the_models_tau():
     """Issue 45's T = 1 miss: four calibration decodes read [1,1,1]'s tau 13% above the model (2.95 against 2.60;
     chains decoded 96 times on 12 test prompts: 2.57) and [1,1,1,1]'s on it, so [1,1,1] measured fastest and the
-    bench put [1,1,1,1] ahead. With chain_tau_from_model (the planner's setting at T > 0) a chain's tau is the
+    bench put [1,1,1,1] ahead. With tau_from_model="chains" (the planner's setting at T > 0) a chain's tau is the
     model's and its speedup is scaled by model / decoded tau: [1,1,1,1] wins. A tree keeps its decoded tau; without
     the setting nothing changes."""
     ranked = [_plan([1, 1, 1], 300, 2.60), _plan([1, 1, 1, 1], 299, 2.87), _plan([2, 1, 1], 298, 3.5)]
@@ -381,7 +433,7 @@ def test_at_t_above_zero_a_chain_is_measured_with_the_models_tau():
     plain = settle_by_decoding(ranked, decode, rounds=2)
     assert plain.tree == [1, 1, 1] and plain.tau == pytest.approx(3.0) and plain.tau_decoded is None
     assert plain.speedup == pytest.approx(48 / (16 * 0.014) / 100)  # 2.14x as decoded
-    plan = settle_by_decoding(ranked, decode, rounds=2, chain_tau_from_model=True)
+    plan = settle_by_decoding(ranked, decode, rounds=2, tau_from_model="chains")
     assert (
         plan.tree == [1, 1, 1, 1]
         and plan.tau == pytest.approx(2.87)
@@ -399,9 +451,34 @@ def test_at_t_above_zero_a_chain_is_measured_with_the_models_tau():
 
     ar = [Decoded(48, 48, 0, 0.48)] * 3
     runs = [Decoded(48, n, 48 - n, n * 0.014) for n in (24, 16, 21)]  # 1.43x, 2.14x, 1.63x
-    m = as_measured(_plan([1, 1, 1], 300, 2.6), runs, ar, chain_tau_from_model=True)
+    m = as_measured(_plan([1, 1, 1], 300, 2.6), runs, ar, tau_from_model="chains")
     assert m.speedup == pytest.approx(48 / (21 * 0.014) / 100 * 2.6 / (48 / 21))
     assert m.tau == 2.6 and m.tau_decoded == pytest.approx(144 / 61)
+
+
+def test_at_t_zero_every_plan_is_measured_with_its_counted_tau():
+    """Issue 45's T = 0 misses (runs AD, AE, AF: the distilled draft chose [1]*5 or deeper and the bench put
+    [1,1,1,1] 7% ahead): the settling prompts flattered depth, [1]*5 decoding tau 3.31 there against 2.94 counted
+    over all 12 planner prompts, [1,1,1,1] 2.95 against 2.70, with steps of 17.1 and 15.4 ms. Decoded, a tree as
+    flattered wins; with tau_from_model="all" (the planner at T = 0: every tau greedy_tau's count, trees alike)
+    [1,1,1,1] does."""
+    ranked = [_plan([1] * 5, 300, 2.94), _plan([1] * 4, 299, 2.70), _plan([2, 1, 1], 298, 2.80)]
+    step_ms = {(1,) * 5: 17.06, (1,) * 4: 15.4, (2, 1, 1): 16.0}
+    decoded_tau = {(1,) * 5: 3.31, (1,) * 4: 2.95, (2, 1, 1): 3.30}
+
+    def decode(tree, rnd):
+        if tree is None:
+            return Decoded(480, 480, 0, 4.8)  # AR: 100 tok/s
+        steps = round(480 / decoded_tau[tuple(tree)])
+        return Decoded(480, steps, 480 - steps, steps * step_ms[tuple(tree)] / 1e3)
+
+    assert settle_by_decoding(ranked, decode, rounds=2).tree == [2, 1, 1]  # decoded: flattered alike
+    plan = settle_by_decoding(ranked, decode, rounds=2, tau_from_model="all")
+    assert plan.tree == [1] * 4 and plan.tau == pytest.approx(2.70)
+    assert plan.tau_decoded == pytest.approx(2.95, abs=0.01)
+    by_tree = {tuple(c["tree"]): c for c in plan.candidates}
+    assert by_tree[(2, 1, 1)]["tau"] == pytest.approx(2.80)  # a tree too: counted, not decoded
+    assert by_tree[(2, 1, 1)]["tau_decoded"] == pytest.approx(480 / 145)
 
 
 def test_a_chain_is_always_decoded_and_wins_ties():
@@ -461,7 +538,7 @@ def test_batch_one_plan_is_decoded_and_the_chain_wins_in_the_planner(micro_pair,
     monkeypatch.setattr(
         planner_mod,
         "rank_trees",
-        lambda cost, alpha: [_plan([3, 1], 300), _plan([2, 1], 295)] + real_rank(cost, alpha),
+        lambda cost, alpha, **kw: [_plan([3, 1], 300), _plan([2, 1], 295)] + real_rank(cost, alpha, **kw),
     )
 
     def fake_call(self, tree, rnd):
@@ -516,7 +593,9 @@ def test_settling_work_is_bounded(micro_pair, monkeypatch):
     monkeypatch.setattr(
         planner_mod,
         "rank_trees",
-        lambda cost, alpha: [replace(p, speedup=p.speedup + 10.0) for p in real_rank(cost, alpha)],
+        lambda cost, alpha, **kw: [
+            replace(p, speedup=p.speedup + 10.0) for p in real_rank(cost, alpha, **kw)
+        ],
     )
     target, draft = micro_pair
     gen = torch.Generator().manual_seed(3)
@@ -705,11 +784,51 @@ def test_planner_choose_on_micro_models(micro_pair, temperature):
         plan = planner.choose(draft, "resispec", {"temperature": temperature, "top_k": 0, "top_p": 1.0})
     assert plan.tree in candidate_trees(max_branch=max(plan.alpha))
     assert 1.0 <= plan.tau <= 1 + len(plan.tree)
-    # a chain at T > 0 is measured with the model's tau; at T = 0, and for any tree, with its decoded one
-    assert (plan.tau_decoded is not None) == (plan.is_chain and temperature > 0)
+    # a chain at T > 0 is measured with the model's tau, a tree with its decoded one; at T = 0 every plan with its
+    # exact count over every prompt's greedy continuation
+    assert (plan.tau_decoded is not None) == (plan.is_chain or temperature == 0)
+    if temperature == 0:
+        assert plan.tau == pytest.approx(greedy_tau(plan.tree, planner._greedy_hit_sets(draft)))
     assert plan.step_ms > 0 and plan.speedup > 0
     cost = planner.cost_for(draft)
     assert set(cost.target_ms) == set(cost.draft_ms)
+
+
+def test_t_zero_counts_tau_on_every_prompt_and_books_the_continuations_apart(
+    micro_pair, monkeypatch, fake_settling
+):
+    """At T = 0 the plan's tau is greedy_tau over ALL the planner's prompts (not only the SETTLE_PROMPTS that
+    settle, nor the 8 fresh rounds'); the target's greedy continuations are made once, by the first T = 0 plan,
+    and their seconds go to Planner.greedy_s, not to that plan's startup_s; T > 0 makes none."""
+    import time as time_mod
+
+    from resispec.decoding.planner import core as planner_mod
+
+    real_generate = planner_mod.BatchedDecoder.generate
+    made = []
+
+    def slow_generate(self, prompts, settings=None):
+        made.append(len(prompts))
+        time_mod.sleep(1.0)
+        return real_generate(self, prompts, settings)
+
+    monkeypatch.setattr(planner_mod.BatchedDecoder, "generate", slow_generate)
+    target, draft = micro_pair
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 64, (6,), generator=gen).tolist() for _ in range(4 * SETTLE_PROMPTS)]
+    with single_thread():
+        planner = Planner(target, prompts, continuation_tokens=4)
+        planner.choose(draft, "resispec", {"temperature": 1.0})
+        assert made == [] and planner.greedy_s == 0.0
+        t0 = time_mod.perf_counter()
+        plan = planner.choose(draft, "resispec", {"temperature": 0.0})
+        wall = time_mod.perf_counter() - t0
+        again = planner.choose(draft, "resispec_auto", {"temperature": 0.0})
+    assert made == [len(prompts)] and planner.greedy_s >= 1.0
+    assert plan.startup_s <= wall - 1.0 and again.startup_s < wall
+    hit_sets = planner._greedy_hit_sets(draft)
+    assert len(hit_sets) == len(prompts) and plan.tau_model == pytest.approx(greedy_tau(plan.tree, hit_sets))
+    assert plan.tau_model != pytest.approx(greedy_tau(plan.tree, hit_sets[:SETTLE_PROMPTS]))
 
 
 def test_planner_by_batch_size_measures_each_size(micro_pair, fake_settling):
@@ -802,7 +921,9 @@ def test_batch_overhead_is_split_into_per_step_and_per_node(micro_pair, monkeypa
     monkeypatch.setattr(planner_mod, "measure_batch_overhead", fake)
     real_rank = planner_mod.rank_trees
     monkeypatch.setattr(
-        planner_mod, "rank_trees", lambda cost, alpha: planned.append(cost) or real_rank(cost, alpha)
+        planner_mod,
+        "rank_trees",
+        lambda cost, alpha, **kw: planned.append(cost) or real_rank(cost, alpha, **kw),
     )
     target, draft = micro_pair
     with single_thread():

@@ -11,7 +11,10 @@ forward over all 1 + sum_d prod_{j <= d} b_j nodes, and a measured host overhead
 tree node too). Speedup = tau / step time, over the AR cost of one target token. A chain is one candidate among
 the others: where chains pay more, the planner returns a chain. alpha is measured per number of draws at held-out
 positions of the target's own continuations (closed form where the rule has one, else Monte Carlo through the
-rule's propose/verify).
+rule's propose/verify). At temperature 0 tau is not multiplied but counted: the decoder then emits the target's
+greedy continuation and drafts each node's top-b, so walking one teacher-forced forward's hits (the target's
+argmax among the draft's top b at each position) along each prompt's greedy continuation gives every tree's tau
+as the decoder's own count (greedy_tau; equal to the decodes' in the tests), over all the planner's prompts.
 
 The model only shortlists: its tau multiplies per-depth acceptances as if depths were independent, which is
 optimistic at T > 0 for any tree with a multi-draw level (the tiny world: [2,2,1] predicted tau 2.90, decoded
@@ -21,7 +24,7 @@ the same rule, are DECODED for real on the calibration prompts (settle_by_decodi
 each, the same seeded draws for every candidate, AR in the same rounds, ABBA order. Their tau and tokens per
 second are measured, not predicted (but at T > 0 a chain's tau is the model's, its decoded speedup scaled to it: a
 chain draws once a level, so the product model is its expectation, and a few decodes are the noisier estimate;
-settle.as_measured), and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
+at T = 0 every candidate's tau is greedy_tau's over all the prompts; settle.as_measured), and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
 of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans
 speculation are settled the same way on a few real batched steps. Each candidate's speedup is its ratio of sums
 to AR, as the bench's, without its highest- and lowest-ratio rounds (one decode caught by another process's burst
@@ -38,7 +41,18 @@ Modules: cost (the cost model and its timings), acceptance (alpha and the produc
 trees ranked by the models), settle (real decodes of the near-ties; a chain wins ties), core (Planner).
 """
 
-from resispec.decoding.planner.acceptance import calibrate_alpha, expected_tau, greedy_hits, node_logits
+from resispec.decoding.planner.acceptance import (
+    MAX_DRAWS,
+    calibrate_alpha,
+    expected_tau,
+    greedy_alpha,
+    greedy_hits,
+    greedy_tau,
+    greedy_walk,
+    hits_of,
+    node_logits,
+    teacher_forced_top,
+)
 from resispec.decoding.planner.core import Planner
 from resispec.decoding.planner.cost import (
     BATCH_NODE_GRID,
@@ -95,6 +109,7 @@ __all__ = [
     "CostModel",
     "FINALISTS",
     "HEAD_TREES",
+    "MAX_DRAWS",
     "Decoded",
     "ForwardProbe",
     "NODE_GRID",
@@ -113,7 +128,11 @@ __all__ = [
     "candidate_trees",
     "expected_tau",
     "forward_table",
+    "greedy_alpha",
     "greedy_hits",
+    "greedy_tau",
+    "greedy_walk",
+    "hits_of",
     "measure_batch_overhead",
     "measure_costs",
     "measure_overhead",
@@ -127,6 +146,7 @@ __all__ = [
     "rank_trees",
     "settle_by_decoding",
     "settle_candidates",
+    "teacher_forced_top",
     "tie_margin",
     "unranked",
 ]

@@ -11,6 +11,8 @@ from resispec.sampling import is_greedy, probs
 from resispec.verify import VERIFIERS
 from resispec.verify.estimate import mean_acceptance
 
+MAX_DRAWS = 4  # alpha(n) is calibrated for n = 1 .. MAX_DRAWS: the widest level a candidate tree may have
+
 
 @torch.inference_mode()
 def node_logits(
@@ -36,7 +38,7 @@ def calibrate_alpha(
     rule,
     settings: dict,
     start: int,
-    max_draws: int = 4,
+    max_draws: int = MAX_DRAWS,
     samples: int = 64,
     seed: int = 0,
     logits: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -68,6 +70,72 @@ def expected_tau(tree: Sequence[int], alpha: dict[int, float]) -> float:
 def greedy_hits(t_logits: torch.Tensor, d_logits: torch.Tensor, max_draws: int) -> torch.Tensor:
     """[max_draws, N] bool: at each node, the target's argmax among the draft's top n, row n - 1 (n = 1..max_draws).
     Its row means are greedy alpha(n)."""
-    best = t_logits.argmax(-1, keepdim=True)  # [N, 1]
     top = d_logits.topk(min(max_draws, d_logits.shape[-1]), dim=-1).indices  # [N, n]
-    return (top == best).cumsum(-1).bool().T
+    return hits_of(t_logits.argmax(-1), top)
+
+
+def hits_of(best: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """greedy_hits from indices: the target's argmax `best` [N] and the draft's top ids `top` [N, n] -> [n, N]."""
+    return (top == best[:, None]).cumsum(-1).bool().T
+
+
+@torch.inference_mode()
+def teacher_forced_top(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    k: int,
+    vocab: int,
+    rows: int = 8,
+) -> list[torch.Tensor]:
+    """Each sequence's top-k ids [len - start, k] of `model`'s logits (the first `vocab`) at the positions that
+    predict its tokens start .. len - 1, from teacher-forced forwards of `rows` sequences at a time, right-padded:
+    under causal attention the padding after a position never reaches it (k = 1: the argmax, as the decoder's)."""
+    device = next(model.parameters()).device
+    out = []
+    for lo in range(0, len(sequences), rows):
+        chunk = [list(s) for s in sequences[lo : lo + rows]]
+        width = max(len(s) for s in chunk)
+        ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in chunk], device=device)
+        logits = model(input_ids=ids, use_cache=False).logits[..., :vocab]
+        for row, (seq, start) in enumerate(zip(chunk, starts[lo : lo + rows], strict=True)):
+            at = logits[row, start - 1 : len(seq) - 1].float()
+            out.append(at.argmax(-1, keepdim=True) if k == 1 else at.topk(k, dim=-1).indices)
+    return out
+
+
+def greedy_alpha(hit_sets: Sequence[torch.Tensor]) -> dict[int, float]:
+    """Greedy alpha(n) from each continuation's greedy_hits: the hit rate of each, averaged over them (as
+    calibrate_alpha's, per continuation)."""
+    rows = hit_sets[0].shape[0]
+    return {
+        n: sum(float(h[n - 1].double().mean()) for h in hit_sets) / len(hit_sets) for n in range(1, rows + 1)
+    }
+
+
+def greedy_walk(tree: Sequence[int], hits: torch.Tensor) -> tuple[int, int]:
+    """(speculative steps, draft tokens accepted) of the decoder at temperature 0 emitting the continuation whose
+    greedy_hits are `hits` ([max_draws, N]: node i predicts continuation token i from the tokens before it) with
+    `tree` [b_1, ..., b_D]. A step from token k accepts level j while token k + j - 1 is among the draft's top b_j
+    there, drafts at most r - 1 levels with r tokens left (the decoder's depth limit), and emits the accepted run
+    and one token more. At temperature 0 the decoder emits the target's greedy continuation and drafts each
+    node's top-b draft logits, so its accepted path runs along that continuation: this is the decoder's own
+    count, up to argmax ties that a teacher-forced forward and a cached one break differently (tested equal)."""
+    rows = [hits[b - 1].tolist() for b in tree]
+    total = hits.shape[-1]
+    k = steps = accepted = 0
+    while k < total:
+        limit = min(len(tree), total - k - 1)
+        a = 0
+        while a < limit and rows[a][k + a]:
+            a += 1
+        steps, accepted, k = steps + 1, accepted + a, k + a + 1
+    return steps, accepted
+
+
+def greedy_tau(tree: Sequence[int], hit_sets: Sequence[torch.Tensor]) -> float:
+    """The decoder's tau at temperature 0 with `tree` over every continuation of `hit_sets` (greedy_walk each):
+    accepted draft tokens plus steps, over steps (DecodeStats.tau)."""
+    counts = [greedy_walk(tree, hits) for hits in hit_sets]
+    steps = sum(s for s, _ in counts)
+    return (sum(a for _, a in counts) + steps) / steps if steps else 1.0

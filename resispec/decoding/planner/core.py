@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from resispec.decoding.batch_ar import BatchedDecoder
 from resispec.decoding.engine import SpeculativeDecoder
-from resispec.decoding.planner.acceptance import calibrate_alpha, node_logits
+from resispec.decoding.planner.acceptance import (
+    MAX_DRAWS,
+    calibrate_alpha,
+    greedy_alpha,
+    greedy_tau,
+    hits_of,
+    node_logits,
+    teacher_forced_top,
+)
 from resispec.decoding.planner.cost import (
     BATCH_NODE_GRID,
     NODE_GRID,
@@ -28,6 +37,7 @@ from resispec.decoding.planner.settle import (
     BATCH_SETTLE_MOST,
     BATCH_SETTLE_ROUNDS,
     SETTLE_PROMPTS,
+    SETTLE_TOKENS,
     BatchedCalibrationDecodes,
     CalibrationDecodes,
     settle_by_decoding,
@@ -45,9 +55,11 @@ class Planner:
 
     `prompts`: the first SETTLE_PROMPTS calibrate the acceptance and settle the near-ties (round r decodes prompt
     r); the winner's fresh re-measure (REMEASURE_PASSES x as many rounds) decodes the prompts after them, cycling,
-    so with 3 x SETTLE_PROMPTS prompts (the defaults: 12) the prediction comes from 8 prompts that took no part in
+    so with at least 3 x SETTLE_PROMPTS prompts the prediction's decodes come from 8 prompts that took no part in
     choosing the tree: prompts differ in how well the draft follows them, and a prediction from the prompts that
-    chose the tree inherits their luck (docs/decoder_speed.md)."""
+    chose the tree inherits their luck. At T = 0 every prompt counts tau (greedy_tau), which costs no decode: the
+    defaults pass 48, over which a greedy draft's tau ratio between two trees moves about 2%, against about 4%
+    over 12 (docs/decoder_speed.md)."""
 
     def __init__(
         self, target: torch.nn.Module, prompts: Sequence[Sequence[int]], continuation_tokens: int = 32
@@ -62,6 +74,10 @@ class Planner:
         self._table(target, 1)  # the target's batch-1 costs now, before any calibration
         self.init_s = time.perf_counter() - t0  # start-up spent here, before any plan
         self._continuations: dict[tuple, list[list[int]]] = {}
+        self._greedy: tuple | None = None  # every prompt's greedy continuation and target argmax
+        self._hits: tuple | None = None  # (draft, its greedy hits): _greedy_hit_sets
+        # start-up spent once on the target's greedy continuations (the first plan at T = 0), outside its startup_s
+        self.greedy_s = 0.0
 
     def _table(self, model: torch.nn.Module, batch: int) -> dict[int, float]:
         key = (id(model), batch)
@@ -95,6 +111,37 @@ class Planner:
             self._continuations[key] = seqs
         return self._continuations[key]
 
+    def _greedy_sequences(self) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Every prompt (all of them, not only the calibration's) with the target's greedy continuation of
+        SETTLE_TOKENS tokens, EOS ignored (the tokens a settling decode of that prompt emits at temperature 0),
+        and the target's teacher-forced argmax along it ([SETTLE_TOKENS] each). Once a planner: decoded together
+        by the batched AR decoder, whose greedy tokens are batch 1's (tested; a near-tie that a batch broke
+        otherwise would only move the continuation greedy_tau counts on, not make its count wrong). Target-only work,
+        as the forward table: its seconds go to greedy_s, not to the plan that asked first."""
+        if self._greedy is None:
+            t0 = time.perf_counter()
+            rows = BatchedDecoder(self.target).generate(
+                self.prompts, dict(max_new_tokens=SETTLE_TOKENS, temperature=0.0, eos_token_id=[])
+            )
+            seqs = [p + g for p, g in zip(self.prompts, rows, strict=True)]
+            vocab = self.target.config.vocab_size
+            best = teacher_forced_top(self.target, seqs, [len(p) for p in self.prompts], 1, vocab)
+            self._greedy = seqs, [b[:, 0] for b in best]
+            self.greedy_s = time.perf_counter() - t0
+        return self._greedy
+
+    def _greedy_hit_sets(self, draft: torch.nn.Module) -> list[torch.Tensor]:
+        """Temperature 0: each prompt's greedy_hits [MAX_DRAWS, SETTLE_TOKENS] along its greedy continuation,
+        from which greedy_tau counts any tree's tau as the decoder would: the target's argmax (_greedy_sequences)
+        against the draft's top MAX_DRAWS, one batched teacher-forced draft forward per 8 prompts. The last
+        draft's are kept (a bench plans each draft for two rules in turn)."""
+        if self._hits is None or self._hits[0] is not draft:
+            seqs, best = self._greedy_sequences()
+            vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
+            top = teacher_forced_top(draft, seqs, [len(p) for p in self.prompts], MAX_DRAWS, vocab)
+            self._hits = draft, [hits_of(b, t) for b, t in zip(best, top, strict=True)]
+        return self._hits[1]
+
     def choose(self, draft: torch.nn.Module, rule: str, sampling: dict, auto_policy=None) -> Plan:
         """The planned tree of `rule` (a VERIFIERS key) for `draft` under `sampling` (temperature, top_k, top_p)."""
         return self.choose_by_batch(draft, rule, sampling, (1,), auto_policy)[1]
@@ -116,7 +163,8 @@ class Planner:
         decodes of the calibration prompts (settle_by_decoding: the near-ties and the best chain, AR alongside; a
         chain wins ties), so those plans' tau and speedup are measured. A plan whose speedup is at most 1 says: at
         this batch size, do not speculate. Each plan's startup_s: the seconds this call spent on it (the shared
-        calibration included). `threads_at` (batch size -> torch threads; None: torch's setting): each size is
+        calibration included; the target's greedy continuations, computed by the planner's first call at T = 0,
+        in greedy_s instead). `threads_at` (batch size -> torch threads; None: torch's setting): each size is
         timed on the threads it will decode on."""
         initial_threads = torch.get_num_threads()
         try:
@@ -131,21 +179,23 @@ class Planner:
             if threads_at is not None:
                 torch.set_num_threads(threads_at(batch))
 
-        t_start = time.perf_counter()
+        t_start, greedy_before = time.perf_counter(), self.greedy_s
         settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
         rule_obj = build_rule(rule, auto_policy)  # the rule the decoder runs (resispec_auto: with its policy)
         on_threads_of(1)  # the verification timings and the batch-1 forward table
         head = is_head(draft)
-        cost, alpha = (None, None) if head else self._calibrate(draft, rule_obj, settings)
+        cost, alpha, tau_of = (None, None, None) if head else self._calibrate(draft, rule_obj, settings)
         plans: dict[int, Plan] = {}
-        shared_s = time.perf_counter() - t_start  # the calibration and verification timings serve every size
+        # the calibration and verification timings serve every size (the target's greedy continuations, once a
+        # planner, are not this plan's: greedy_s)
+        shared_s = time.perf_counter() - t_start - (self.greedy_s - greedy_before)
         for b in batch_sizes:
             t_b = time.perf_counter()
             on_threads_of(b)
             if head:
                 plans[b] = self._settle_head(draft, rule_obj, settings, b, plans.get(1))
             else:
-                plans[b] = self._plan_at(b, draft, rule_obj, settings, cost, alpha)
+                plans[b] = self._plan_at(b, draft, rule_obj, settings, cost, alpha, tau_of)
             plans[b].startup_s = shared_s + time.perf_counter() - t_b
         return plans
 
@@ -155,6 +205,8 @@ class Planner:
         """alpha by number of draws of `rule` for `draft` under `sampling`, calibrated as choose() calibrates it
         (the product model's input: expected_tau(tree, alpha))."""
         settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p") if k in sampling}
+        if is_greedy(settings.get("temperature", 1.0)):
+            return greedy_alpha(self._greedy_hit_sets(draft))
         return self._alpha(draft, build_rule(rule, auto_policy), settings)[0]
 
     def _alpha(self, draft, rule_obj, settings: dict) -> tuple[dict[int, float], list]:
@@ -169,30 +221,38 @@ class Planner:
         ]
         return {n: sum(a[n] for a in alphas) / len(alphas) for n in alphas[0]}, node_sets
 
-    def _calibrate(self, draft, rule_obj, settings: dict) -> tuple[CostModel, dict[int, float]]:
-        """The batch-1 cost model (verification timed on the calibration's own nodes at T > 0) and alpha."""
+    def _calibrate(
+        self, draft, rule_obj, settings: dict
+    ) -> tuple[CostModel, dict[int, float], Callable | None]:
+        """The batch-1 cost model (verification timed on the calibration's own nodes at T > 0), alpha, and at
+        T = 0 tau_of(tree): greedy_tau over every prompt's greedy continuation, the decoder's exact count, where
+        the product model would multiply hit rates as if depths were independent (a greedy draft's misses come in
+        runs) and the calibration prompts alone are few (docs/decoder_speed.md)."""
         cost = self.cost_for(draft)
+        if is_greedy(settings.get("temperature", 1.0)):
+            hit_sets = self._greedy_hit_sets(draft)
+            return cost, greedy_alpha(hit_sets), functools.partial(greedy_tau, hit_sets=hit_sets)
         # each prompt's nodes once: the calibration scores them, and the first prompt's time the verification
         alpha, node_sets = self._alpha(draft, rule_obj, settings)
-        if not is_greedy(settings.get("temperature", 1.0)):
-            vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
-            device = next(draft.parameters()).device
-            # timed on the calibration's own nodes (the first prompt's): the cost depends on the distributions
-            t_logits, d_logits = node_sets[0][2]
-            nodes = probs(t_logits, **settings), probs(d_logits, **settings)
-            cost.verify_ms = measure_verify_ms(rule_obj, vocab, max(alpha), device=device, nodes=nodes)
-            cost.verify_row_ms = measure_verify_row_ms(rule_obj, vocab, device=device, nodes=nodes)
-            # the first call of a step follows the target's forward: timed that way, its extra over a one-draw one
-            cold = measure_verify_ms(
-                rule_obj, vocab, max(alpha), device=device, nodes=nodes, between=self.target
-            )
-            base = cold[1] - cost.verify_ms[1]
-            cost.root_verify_extra_ms = {n: max(cold[n] - cost.verify_ms[n] - base, 0.0) for n in cold}
-        return cost, alpha
+        vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
+        device = next(draft.parameters()).device
+        # timed on the calibration's own nodes (the first prompt's): the cost depends on the distributions
+        t_logits, d_logits = node_sets[0][2]
+        nodes = probs(t_logits, **settings), probs(d_logits, **settings)
+        cost.verify_ms = measure_verify_ms(rule_obj, vocab, max(alpha), device=device, nodes=nodes)
+        cost.verify_row_ms = measure_verify_row_ms(rule_obj, vocab, device=device, nodes=nodes)
+        # the first call of a step follows the target's forward: timed that way, its extra over a one-draw one
+        cold = measure_verify_ms(rule_obj, vocab, max(alpha), device=device, nodes=nodes, between=self.target)
+        base = cold[1] - cost.verify_ms[1]
+        cost.root_verify_extra_ms = {n: max(cold[n] - cost.verify_ms[n] - base, 0.0) for n in cold}
+        return cost, alpha, None
 
-    def _plan_at(self, b: int, draft, rule_obj, settings: dict, cost: CostModel, alpha: dict) -> Plan:
-        """The plan at batch size b: the model ranks (forwards and host overhead timed at b), then batch 1, and
-        every size where the model plans speculation, is settled on real decodes."""
+    def _plan_at(
+        self, b: int, draft, rule_obj, settings: dict, cost: CostModel, alpha: dict, tau_of: Callable | None
+    ) -> Plan:
+        """The plan at batch size b: the model ranks (forwards and host overhead timed at b; tau: `tau_of`'s at
+        T = 0, else the product model's), then batch 1, and every size where the model plans speculation, is
+        settled on real decodes."""
         at_b = self.cost_for(draft, b)
         at_b.verify_ms = {n: ms * b for n, ms in cost.verify_ms.items()}
         at_b.verify_row_ms = cost.verify_row_ms * b
@@ -206,21 +266,20 @@ class Planner:
         )
         at_b.overhead_per_node_ms = max(wide - small, 0.0) / (max_tree_nodes(list(OVERHEAD_TREE)) - 1)
         at_b.overhead_ms = max(small - at_b.overhead_per_node_ms, 0.0)
-        ranked = rank_trees(at_b, alpha)
-        # at T > 0 a chain's tau is the model's (settle.as_measured): its decoded tau over a few calibration
-        # decodes is the noisier estimate
-        sampled = not is_greedy(settings.get("temperature", 1.0))
+        ranked = rank_trees(at_b, alpha, tau_of=tau_of)
+        # the plans whose tau is the model's in the settling (settle.as_measured), their decoded tau over a few
+        # calibration decodes being the noisier estimate: at T > 0 a chain's, at T = 0 every plan's (exact)
+        tau_from_model = "chains" if tau_of is None else "all"
         if b == 1:  # always settled on real decodes: the candidates and the best chain, AR alongside
             decode = CalibrationDecodes(self.target, draft, rule_obj, self.prompts, settings)
-            return settle_by_decoding(ranked, decode, self._rounds(), chain_tau_from_model=sampled)
+            return settle_by_decoding(ranked, decode, self._rounds(), tau_from_model=tau_from_model)
         if ranked[0].speedup > 1.0:  # speculation planned at this size: settled on real batched steps
             decode = BatchedCalibrationDecodes(self.target, draft, rule_obj, self.prompts, settings, rows=b)
             return settle_by_decoding(
-                ranked, decode, BATCH_SETTLE_ROUNDS, most=BATCH_SETTLE_MOST, chain_tau_from_model=sampled
+                ranked, decode, BATCH_SETTLE_ROUNDS, most=BATCH_SETTLE_MOST, tau_from_model=tau_from_model
             )
-        return ranked[
-            0
-        ]  # the model says do not speculate here: left to it (and to the scheduler's online model)
+        # the model says do not speculate here: left to it (and to the scheduler's online model)
+        return ranked[0]
 
     def _rounds(self) -> int:
         return max(2, len(self.calibration))

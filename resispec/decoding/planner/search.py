@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from resispec.decoding.planner.acceptance import expected_tau
@@ -35,7 +35,8 @@ class Plan:
     # re-measured on fresh rounds (the winner of near-ties is the luckiest: its selection figures are biased up)
     selected_tau: float | None = None
     selected_speedup: float | None = None
-    # a chain at T > 0: tau is the model's (settle_by_decoding's chain_tau_from_model) and this the decoded one
+    # a chain at T > 0, any tree at T = 0: tau is the model's (settle_by_decoding's tau_from_model) and this the
+    # decoded one
     tau_decoded: float | None = None
 
     @property
@@ -75,15 +76,19 @@ def candidate_trees(max_nodes: int = 32, max_depth: int = 6, max_branch: int = 4
 
 
 def rank_trees(
-    cost: CostModel, alpha: dict[int, float], candidates: Sequence[Sequence[int]] | None = None
+    cost: CostModel,
+    alpha: dict[int, float],
+    candidates: Sequence[Sequence[int]] | None = None,
+    tau_of: Callable[[Sequence[int]], float] | None = None,
 ) -> list[Plan]:
     """Every candidate tree's plan, the highest predicted tokens per second first (module docstring); ties keep
-    the candidates' order (shallower and narrower first)."""
+    the candidates' order (shallower and narrower first). `tau_of(tree)`: its tau where the caller has a better
+    figure than the product model's (at temperature 0, the exact greedy_tau over the calibration continuations)."""
     ar_tps = 1e3 / cost.target(1)
     plans = []
     usable = [t for t in (candidates or candidate_trees(max_branch=max(alpha))) if all(b in alpha for b in t)]
     for tree in usable:
-        tau = expected_tau(tree, alpha)
+        tau = tau_of(tree) if tau_of is not None else expected_tau(tree, alpha)
         ms = cost.step_ms(tree) + cost.verify_cost(tree, alpha)
         tps = 1e3 * tau / ms
         plans.append(Plan(list(tree), tau, ms, tps, tps / ar_tps, dict(alpha)))

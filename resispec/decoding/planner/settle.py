@@ -159,27 +159,35 @@ def trimmed_speedup(per_round: Sequence[Decoded], ar: Sequence[Decoded]) -> tupl
     return (run.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else 0.0), base.tokens_per_s
 
 
+# which plans as_measured gives the model's tau
+TAU_FROM_MODEL = {"none": lambda plan: False, "chains": lambda plan: plan.is_chain, "all": lambda plan: True}
+
+
 def as_measured(
-    plan: Plan, per_round: Sequence[Decoded], ar: Sequence[Decoded], chain_tau_from_model: bool = False
+    plan: Plan, per_round: Sequence[Decoded], ar: Sequence[Decoded], tau_from_model: str = "none"
 ) -> Plan:
     """`plan` with its tau, step and tau_stderr from the sums of its rounds `per_round`, and its speedup over AR
     (`ar`, decoded in the same rounds, back to back with it) trimmed_speedup's: a ratio of sums, as the bench's,
     with the rounds of the highest and the lowest ratio left out. tokens_per_s: that speedup times AR's tokens per
     second over the same rounds. The model's figures kept in tau_model / speedup_model.
 
-    `chain_tau_from_model` (the planner sets it at T > 0): a chain's tau is the product model's, and its speedup
-    the decoded one scaled by model tau / decoded tau over the rounds that speedup sums (the decodes emit a fixed
-    number of tokens, so their time goes as 1 / tau, prefill apart); the decoded tau over every round is kept in
-    tau_decoded. A chain draws once a level, so its depths accept independently given the positions, and the
-    model, calibrated on every position of the calibration continuations, is its expectation: on the tiny world at
-    T = 1 within 0.3-3% of chains [1]*2 .. [1]*6 decoded 96 times on 12 test prompts, where the 4 calibration
-    prompts decoded read [1,1,1] 7% high (docs/decoder_speed.md). Trees keep their decoded tau (the model is
-    optimistic for a multi-draw level)."""
+    `tau_from_model` ("none", "chains" or "all"; TAU_FROM_MODEL): the plans whose tau is the model's, and whose
+    speedup is the decoded one scaled by model tau / decoded tau over the rounds that speedup sums (the decodes
+    emit a fixed number of tokens, so their time goes as 1 / tau, prefill apart); the decoded tau over every round
+    is kept in tau_decoded.
+    - "chains" (the planner at T > 0): a chain draws once a level, so its depths accept independently given the
+      positions, and the product model, calibrated on every position of the calibration continuations, is its
+      expectation: on the tiny world at T = 1 within 0.3-3% of chains [1]*2 .. [1]*6 decoded 96 times on 12 test
+      prompts, where the 4 calibration prompts decoded read [1,1,1] 7% high (docs/decoder_speed.md). Trees keep
+      their decoded tau (the model is optimistic for a multi-draw level).
+    - "all" (the planner at T = 0): every tau is greedy_tau's, the decoder's own count over the greedy
+      continuations of every calibration prompt, where a round decodes one prompt, and prompts differ widely in
+      how far a greedy draft follows them (docs/decoder_speed.md)."""
     run = sum(per_round, Decoded())
     speedup, ar_tps = trimmed_speedup(per_round, ar)
     tau_model = plan.tau_model if plan.measured else _figure(plan.tau)
     tau, tau_decoded = run.tau, None
-    if chain_tau_from_model and plan.is_chain and tau_model is not None and run.steps:
+    if TAU_FROM_MODEL[tau_from_model](plan) and tau_model is not None and run.steps:
         tau, tau_decoded = tau_model, run.tau
         kept = sum((r for r, _ in kept_rounds(per_round, ar)), Decoded())
         speedup *= tau_model / (kept.tau if kept.steps else run.tau)
@@ -211,7 +219,7 @@ def settle_by_decoding(
     tie: float = TIE_MARGIN,
     z: float = TIE_Z,
     remeasure: bool = True,
-    chain_tau_from_model: bool = False,
+    tau_from_model: str = "none",
 ) -> Plan:
     """The plan to use, by MEASURED tokens per second: the candidates of settle_candidates and AR are each decoded
     once a round (decode_rounds), round r with the same prompt and the same seeded draws for every candidate. Each
@@ -231,14 +239,14 @@ def settle_by_decoding(
     ahead only by the settling rounds' luck is dropped. A chain winner meets the settling's runner-up there
     (FINALISTS in all), which takes its place if it measures faster there (a tree over a chain: by pick_measured's
     margin). The plan returned is marked `measured`, keeps the model's figures (tau_model,
-    speedup_model) and lists every candidate decoded. `chain_tau_from_model` (T > 0): each chain's tau is the
-    model's, its speedup scaled to it (as_measured), in the settling and on the fresh rounds alike."""
+    speedup_model) and lists every candidate decoded. `tau_from_model` ("chains" at T > 0, "all" at T = 0): those
+    plans' tau is the model's, their speedup scaled to it (as_measured), in the settling and on the fresh rounds
+    alike."""
     near = settle_candidates(ranked, band, most)
     rounds_run = decode_rounds([None, *(p.tree for p in near)], decode, rounds)
     ar = [r[0] for r in rounds_run]
     settled = [
-        as_measured(plan, [r[i] for r in rounds_run], ar, chain_tau_from_model)
-        for i, plan in enumerate(near, 1)
+        as_measured(plan, [r[i] for r in rounds_run], ar, tau_from_model) for i, plan in enumerate(near, 1)
     ]
     table = [
         {
@@ -269,9 +277,7 @@ def settle_by_decoding(
         [None, *(p.tree for p in finalists)], decode, REMEASURE_PASSES * rounds, first=rounds
     )
     ar = [r[0] for r in fresh]
-    again = [
-        as_measured(p, [r[i] for r in fresh], ar, chain_tau_from_model) for i, p in enumerate(finalists, 1)
-    ]
+    again = [as_measured(p, [r[i] for r in fresh], ar, tau_from_model) for i, p in enumerate(finalists, 1)]
     return replace(pick_measured(again, tie, z), candidates=table)
 
 
