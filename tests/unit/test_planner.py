@@ -50,6 +50,7 @@ from resispec.decoding.planner import (
     rank_trees,
     settle_by_decoding,
     settle_candidates,
+    teacher_forced_top,
     tie_margin,
 )
 from resispec.decoding.tree import max_tree_nodes
@@ -246,6 +247,22 @@ def test_greedy_tau_is_the_decoders_own_count(micro_world):
                 assert (out.stats.num_drafts, out.stats.num_accepted_tokens) == greedy_walk(tree, hits), tree
     rates = torch.cat(hit_sets, dim=1).double().mean(-1)
     assert 0.1 < rates[0] < 0.9 and rates[3] > rates[0]  # the draft both hits and misses: a walk with content
+
+
+def test_teacher_forced_top_pads_and_chunks_without_changing_a_position(micro_pair):
+    """Sequences of different lengths and starts, two to a forward, right-padded and cut to the kept positions:
+    each position's top ids are those of that sequence's own unpadded forward."""
+    target, _ = micro_pair
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (7, 20, 12)]
+    starts = [3, 15, 5]
+    got = teacher_forced_top(target, seqs, starts, 3, 64, rows=2)
+    best = teacher_forced_top(target, seqs, starts, 1, 64, rows=2)
+    with torch.inference_mode():
+        for seq, start, top, arg in zip(seqs, starts, got, best, strict=True):
+            logits = target(input_ids=torch.tensor([seq])).logits[0, start - 1 : -1]
+            assert top.shape == (len(seq) - start, 3) and torch.equal(top, logits.topk(3, dim=-1).indices)
+            assert torch.equal(arg[:, 0], logits.argmax(-1))
 
 
 def test_rank_trees_orders_every_candidate_and_plan_tree_is_its_first():
@@ -479,6 +496,16 @@ def test_at_t_zero_every_plan_is_measured_with_its_counted_tau():
     by_tree = {tuple(c["tree"]): c for c in plan.candidates}
     assert by_tree[(2, 1, 1)]["tau"] == pytest.approx(2.80)  # a tree too: counted, not decoded
     assert by_tree[(2, 1, 1)]["tau_decoded"] == pytest.approx(480 / 145)
+
+
+def test_measured_plans_are_compared_by_speedup_not_tokens_per_second():
+    """Each candidate's trim keeps its own rounds (kept_rounds), so its tokens per second carries AR's speed in
+    those rounds: here the chain's kept rounds caught AR at 75 tok/s, the tree's at 100. Compared by speedup over
+    AR of the same rounds, the chain (1.6x) is ahead of the tree (1.5x), whatever their tokens per second say."""
+    chain = replace(_plan([1, 1, 1], 120.0), speedup=1.6, measured=True)
+    tree = replace(_plan([2, 1, 1], 150.0), speedup=1.5, measured=True)
+    assert pick_measured([chain, tree]).tree == [1, 1, 1]
+    assert pick_measured([replace(chain, speedup=1.4), tree]).tree == [2, 1, 1]
 
 
 def test_a_chain_is_always_decoded_and_wins_ties():
