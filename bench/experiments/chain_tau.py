@@ -6,11 +6,12 @@ python bench/experiments/chain_tau.py --draft <run>/distill/draft [--temperature
 For each rule and chain [1]*d: the tau of the planner's product model (alpha calibrated as the Planner calibrates
 it, on the first SETTLE_PROMPTS validation prompts), and the tau decoded over `--seeds` seeded draws (48 tokens, EOS
 ignored, as the planner's settling decodes) of each of those calibration prompts, of the bench's other planner
-prompts (validation prompts SETTLE_PROMPTS .. bench.plan_calibration_prompts - 1: the fresh rounds') and of
+prompts that the fresh rounds decode (validation prompts SETTLE_PROMPTS .. 3 x SETTLE_PROMPTS - 1) and of
 `--test-prompts` test prompts. At T > 0 the planner takes the model's tau for a chain (resispec/decoding/planner/
 settle.py as_measured): a chain draws once a level, so the product model is its expectation, where four
-calibration decodes are the noisier estimate. At T = 0 (greedy: one seed is enough) the columns show how far the
-planner's two prompt sets and the bench's disagree. The evidence on both: docs/decoder_speed.md.
+calibration decodes are the noisier estimate. At T = 0 (greedy: one seed is enough) the planner does not use the
+product model: it counts every tree's tau exactly on all its prompts (greedy_tau), and the columns show how far
+prompt sets of this size disagree. The evidence on both: docs/decoder_speed.md.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import dataclasses
 import torch
 from tqdm.auto import tqdm
 
-from resispec.benchmark.config import BenchConfig
 from resispec.config import compose_typed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.planner import Planner, expected_tau
-from resispec.decoding.planner.settle import SETTLE_PROMPTS, SETTLE_TOKENS
+from resispec.decoding.planner.settle import REMEASURE_PASSES, SETTLE_PROMPTS, SETTLE_TOKENS
 from resispec.models import load_pair
 from resispec.models.loading import load_drafter
 
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> str:
     target, _, tokenizer = load_pair(cfg.target, cfg.draft, cfg.world)
     draft = load_drafter(dataclasses.replace(cfg.draft, path=args.draft), target, cfg.world)
     planner_prompts = load_heldout_prompts(
-        cfg.data, tokenizer, cfg.world, BenchConfig().plan_calibration_prompts, split="eval"
-    )
+        cfg.data, tokenizer, cfg.world, SETTLE_PROMPTS * (1 + REMEASURE_PASSES), split="eval"
+    )  # the ones the planner's decodes use (at T = 0 it counts tau on all of bench.plan_calibration_prompts)
     calibration, fresh = planner_prompts[:SETTLE_PROMPTS], planner_prompts[SETTLE_PROMPTS:]
     test = load_heldout_prompts(cfg.data, tokenizer, cfg.world, args.test_prompts)
     settings = dict(temperature=args.temperature, top_p=cfg.decode.top_p, top_k=cfg.decode.top_k)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> str:
         f"{SETTLE_TOKENS} tokens, EOS ignored); draft {args.draft}",
         "",
         f"| rule | chain | model tau | decoded: {len(calibration)} calibration prompts "
-        f"| decoded: {len(fresh)} fresh-round prompts | decoded: all {len(planner_prompts)} planner prompts "
+        f"| decoded: {len(fresh)} fresh-round prompts | decoded: those {len(planner_prompts)} together "
         f"| decoded: {len(test)} test prompts | model / test |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]

@@ -29,7 +29,7 @@ TIE_MARGIN = 0.02
 # picked on noise can lose more than the margin
 TIE_Z = 1.0
 # the winner's prediction: it, the best chain (a tree won) and AR decoded again on REMEASURE_PASSES x the
-# settling rounds, fresh seeds (and, with the Planner's 12 prompts, the 8 prompts that did not choose it); at T = 1
+# settling rounds, fresh seeds (and, with 12 Planner prompts or more, 8 prompts that did not choose it); at T = 1
 # tau over four 48-token decodes moves ~10% between seed sets, and two passes halve the variance
 # (docs/decoder_speed.md)
 REMEASURE_PASSES = 2
@@ -105,17 +105,19 @@ def tie_margin(tree: Plan, chain: Plan, tie: float = TIE_MARGIN, z: float = TIE_
 def pick_measured(plans: Sequence[Plan], tie: float = TIE_MARGIN, z: float = TIE_Z) -> Plan:
     """The fastest measured chain, unless a tree measured faster than it by more than its tie_margin (`tie`, or
     `z` standard errors of the taus' difference): then the fastest such tree. A chain wins ties, and no tree that
-    measured slower than the chain is ever returned."""
+    measured slower than the chain is ever returned. Faster: by speedup over AR decoded in the same rounds (the
+    figure a plan predicts). Their tokens per second would carry AR's own speed in the rounds that each
+    candidate's trim kept, which differ from candidate to candidate (kept_rounds)."""
     chains = [p for p in plans if p.is_chain]
     if not chains:
-        return max(plans, key=lambda p: p.tokens_per_s)
-    chain = max(chains, key=lambda p: p.tokens_per_s)
+        return max(plans, key=lambda p: p.speedup)
+    chain = max(chains, key=lambda p: p.speedup)
     clear = [
         p
         for p in plans
-        if not p.is_chain and p.tokens_per_s > (1.0 + tie_margin(p, chain, tie, z)) * chain.tokens_per_s
+        if not p.is_chain and p.speedup > (1.0 + tie_margin(p, chain, tie, z)) * chain.speedup
     ]
-    return max(clear, key=lambda p: p.tokens_per_s) if clear else chain
+    return max(clear, key=lambda p: p.speedup) if clear else chain
 
 
 def decode_rounds(
@@ -264,9 +266,9 @@ def settle_by_decoding(
     finalists = [pick_measured(settled, tie, z)]
     chains = [p for p in settled if p.is_chain]
     if not finalists[0].is_chain and chains:  # a tree must beat the best chain again on the fresh rounds
-        finalists.append(max(chains, key=lambda p: p.tokens_per_s))
+        finalists.append(max(chains, key=lambda p: p.speedup))
     # and the next fastest of the settling, up to FINALISTS: four rounds leave a tree's tau ~10% noisy at T = 1
-    for p in sorted(settled, key=lambda p: p.tokens_per_s, reverse=True):
+    for p in sorted(settled, key=lambda p: p.speedup, reverse=True):
         if len(finalists) < FINALISTS and all(p is not f for f in finalists):
             finalists.append(p)
     for p in finalists:
