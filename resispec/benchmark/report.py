@@ -245,7 +245,9 @@ def plan_markdown(rows: list[BenchRow]) -> list[str]:
             "and the best chain were decoded to choose it; in brackets the product model's figure (none for a draft "
             "head) and the speedup it was chosen at (biased up: the winner of near-ties is the luckiest); start-up: "
             "the seconds the planner spent on the plan. A chain at T > 0 is predicted with the model's tau (its "
-            "decoded tau beside it), its speedup scaled to it. best fixed: the fastest fixed-tree row of the same "
+            "decoded tau beside it), its speedup scaled to it; at T = 0 every plan is, with its tau counted exactly "
+            "on all the planner's prompts (the decoder's greedy step replayed along their greedy continuations). "
+            "best fixed: the fastest fixed-tree row of the same "
             "draft and rule in this run, and the planned row's speedup over it (= where the planner chose that very "
             "tree: the two rows are the same decode, timed apart, so their ratio is the run's noise).",
             "",
@@ -257,7 +259,7 @@ def plan_markdown(rows: list[BenchRow]) -> list[str]:
             pl = r.stats["plan"]
             model_tau, model_speedup = pl.get("tau_model"), pl.get("speedup_model")
             tau = f"{pl['tau']:.2f}" + (f" ({model_tau:.2f})" if model_tau is not None else "")
-            if pl.get("tau_decoded") is not None:  # a chain at T > 0: the model's tau (planner/settle.py)
+            if pl.get("tau_decoded") is not None:  # a chain at T > 0, any plan at T = 0 (planner/settle.py)
                 tau = f"{pl['tau']:.2f} (model; decoded {pl['tau_decoded']:.2f})"
             notes = [f"{model_speedup:.2f}"] if model_speedup is not None else []
             if pl.get("selected_speedup") is not None:
