@@ -16,23 +16,23 @@ greedy continuation and drafts each node's top-b, so walking one teacher-forced 
 argmax among the draft's top b at each position) along each prompt's greedy continuation gives every tree's tau
 as the decoder's own count (greedy_tau; equal to the decodes' in the tests), over all the planner's prompts.
 
-The model only shortlists: its tau multiplies per-depth acceptances as if depths were independent, which is
-optimistic at T > 0 for any tree with a multi-draw level (the tiny world: [2,2,1] predicted tau 2.90, decoded
-2.53), and its step adds up parts that rank the top candidates, often within 1-2% of each other, wrongly. So the
-plans predicted within SETTLE_BAND of the best (at most SETTLE_MOST), and always the best-ranked plain chain of
-the same rule, are DECODED for real on the calibration prompts (settle_by_decoding): one generation per prompt
-each, the same seeded draws for every candidate, AR in the same rounds, ABBA order. Their tau and tokens per
-second are measured, not predicted (but at T > 0 a chain's tau is the model's, its decoded speedup scaled to it: a
-chain draws once a level, so the product model is its expectation, and a few decodes are the noisier estimate;
-at T = 0 every candidate's tau is greedy_tau's over all the prompts; settle.as_measured), and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
+The model only shortlists: its tau multiplies per-depth acceptances as if depths were independent, which is optimistic
+at T > 0 for any tree with a multi-draw level (the tiny world: [2,2,1] predicted tau 2.90, decoded 2.53), and its step
+adds up parts that rank the top candidates, often within 1-2% of each other, wrongly. So the plans predicted within
+SETTLE_BAND of the best (at most SETTLE_MOST), and always the best-ranked plain chain of the same rule, are DECODED
+for real on the calibration prompts (settle_by_decoding): one generation per prompt each, the same seeded draws for
+every candidate, AR in the same rounds, ABBA order. Their tau and tokens per second are measured, not predicted (but
+at T > 0 a chain's tau is the model's, its decoded speedup scaled to it: a chain draws once a level, so the product
+model is its expectation, and a few decodes are the noisier estimate; at T = 0 every candidate's tau is greedy_tau's
+over all the prompts; settle.as_measured), and a tree must beat the chain by TIE_MARGIN (or by TIE_Z standard errors
 of the measured taus' difference, if more) to be chosen: a chain wins ties. Batched buckets where the model plans
-speculation are settled the same way on a few real batched steps. Each candidate's speedup is its ratio of sums
-to AR, as the bench's, without its highest- and lowest-ratio rounds (one decode caught by another process's burst
-does not pick the tree). The winner is decoded again with AR on REMEASURE_PASSES x as many FRESH rounds (other
-seeds, and the calibration prompts after the first SETTLE_PROMPTS), beside the best chain when the winner is a
-tree, else the settling's runner-up (FINALISTS in all): the fastest there is kept (a tree must beat the
-chain again; a chain wins ties), and its figures there are the plan's prediction, since the winner of near-ties
-is the luckiest and its selection figures are biased up (the winner's curse).
+speculation are settled the same way on a few real batched steps. Each candidate's speedup is its ratio of sums to AR,
+as the bench's, without its highest- and lowest-ratio rounds (one decode caught by another process's burst does not
+pick the tree). The winner is decoded again with AR on REMEASURE_PASSES x as many FRESH rounds (other seeds, and the
+calibration prompts after the first SETTLE_PROMPTS), beside the best chain when the winner is a tree, else the
+settling's runner-up (FINALISTS in all): the fastest there is kept (a tree must beat the chain again; a chain wins
+ties), and its figures there are the plan's prediction, since the winner of near-ties is the luckiest and its
+selection figures are biased up (the winner's curse).
 
 A draft head (its forward reads the target's states; no cost or acceptance model) is planned by decoding only:
 every tree of HEAD_TREES at batch 1, batch 1's tree against the chain at larger sizes (Planner._settle_head).

@@ -223,14 +223,14 @@ def settle_by_decoding(
     remeasure: bool = True,
     tau_from_model: str = "none",
 ) -> Plan:
-    """The plan to use, by MEASURED tokens per second: the candidates of settle_candidates and AR are each decoded
-    once a round (decode_rounds), round r with the same prompt and the same seeded draws for every candidate. Each
-    candidate's tau and step are its sums over the rounds, its speedup over AR a trimmed ratio of sums
-    (as_measured), and pick_measured chooses (a chain wins ties: a tree must beat it by `tie`, or by
-    `z` standard errors of their taus' difference). Why measure: the model's tau multiplies per-depth acceptances
-    as if depths were independent (optimistic at T > 0 for any tree with a multi-draw level: [2,2,1] predicted
-    2.90, decoded 2.53 on the tiny world), and its step adds up parts that rank the top candidates, often within
-    1-2% of each other, wrongly.
+    """The plan to use, by MEASURED speed (speedup over AR decoded in the same rounds): the candidates of
+    settle_candidates and AR are each decoded once a round (decode_rounds), round r with the same prompt and the
+    same seeded draws for every candidate. Each candidate's tau and step are its sums over the rounds, its speedup
+    over AR a trimmed ratio of sums (as_measured), and pick_measured chooses (a chain wins ties: a tree must beat
+    it by `tie`, or by `z` standard errors of their taus' difference). Why measure: the model's tau multiplies
+    per-depth acceptances as if depths were independent (optimistic at T > 0 for any tree with a multi-draw level:
+    [2,2,1] predicted 2.90, decoded 2.53 on the tiny world), and its step adds up parts that rank the top
+    candidates, often within 1-2% of each other, wrongly.
 
     `remeasure`: the chosen plan and AR are then decoded again on REMEASURE_PASSES * `rounds` FRESH rounds (other
     seeds; rounds `rounds` onwards: with the Planner's prompts, other prompts), and those figures are the plan's
