@@ -90,7 +90,7 @@ def teacher_forced_top(
 ) -> list[torch.Tensor]:
     """Each sequence's top-k ids [len - start, k] of `model`'s logits (the first `vocab`) at the positions that
     predict its tokens start .. len - 1, from teacher-forced forwards of `rows` sequences at a time, right-padded:
-    under causal attention the padding after a position never reaches it (k = 1: the argmax, as the decoder's).
+    under causal attention the padding after a position never reaches it.
     Only the positions from the chunk's earliest start on get logits (logits_to_keep: a long prompt under a 128k
     vocabulary does not materialise a logit row per prompt token)."""
     device = next(model.parameters()).device
@@ -102,8 +102,7 @@ def teacher_forced_top(
         ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in chunk], device=device)
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=width - first).logits[..., :vocab]
         for row, (seq, start) in enumerate(zip(chunk, at_starts, strict=True)):
-            at = logits[row, start - 1 - first : len(seq) - 1 - first].float()
-            out.append(at.argmax(-1, keepdim=True) if k == 1 else at.topk(k, dim=-1).indices)
+            out.append(logits[row, start - 1 - first : len(seq) - 1 - first].float().topk(k, dim=-1).indices)
     return out
 
 

@@ -113,27 +113,27 @@ class Planner:
 
     def _greedy_sequences(self) -> tuple[list[list[int]], list[torch.Tensor]]:
         """Every prompt (all of them, not only the calibration's) with the target's greedy continuation of
-        SETTLE_TOKENS tokens, EOS ignored (the tokens a settling decode of that prompt emits at temperature 0),
-        and the target's teacher-forced argmax along it ([SETTLE_TOKENS] each). Once a planner: decoded together
-        by the batched AR decoder, whose greedy tokens are batch 1's (tested; a near-tie that a batch broke
-        otherwise would only move the continuation greedy_tau counts on, not make its count wrong). Target-only work,
-        as the forward table: its seconds go to greedy_s, not to the plan that asked first."""
+        SETTLE_TOKENS tokens, EOS ignored (the tokens a settling decode of that prompt emits at temperature 0,
+        each the target's argmax there: what the decoder verifies against), and those tokens as a tensor
+        ([SETTLE_TOKENS] each). Once a planner: decoded together by the batched AR decoder, whose greedy tokens
+        are batch 1's (tested; a near-tie that a batch broke otherwise would only move the continuation greedy_tau
+        counts on, not make its count wrong). Target-only work, as the forward table: its seconds go to
+        greedy_s, not to the plan that asked first."""
         if self._greedy is None:
             t0 = time.perf_counter()
             rows = BatchedDecoder(self.target).generate(
                 self.prompts, dict(max_new_tokens=SETTLE_TOKENS, temperature=0.0, eos_token_id=[])
             )
+            device = next(self.target.parameters()).device
             seqs = [p + g for p, g in zip(self.prompts, rows, strict=True)]
-            vocab = self.target.config.vocab_size
-            best = teacher_forced_top(self.target, seqs, [len(p) for p in self.prompts], 1, vocab)
-            self._greedy = seqs, [b[:, 0] for b in best]
+            self._greedy = seqs, [torch.tensor(g, device=device) for g in rows]
             self.greedy_s = time.perf_counter() - t0
         return self._greedy
 
     def _greedy_hit_sets(self, draft: torch.nn.Module) -> list[torch.Tensor]:
         """Temperature 0: each prompt's greedy_hits [MAX_DRAWS, SETTLE_TOKENS] along its greedy continuation,
-        from which greedy_tau counts any tree's tau as the decoder would: the target's argmax (_greedy_sequences)
-        against the draft's top MAX_DRAWS, one batched teacher-forced draft forward per 8 prompts. The last
+        from which greedy_tau counts any tree's tau as the decoder would: the target's greedy tokens
+        (_greedy_sequences) against the draft's top MAX_DRAWS, one batched teacher-forced draft forward per 8 prompts. The last
         draft's are kept (a bench plans each draft for two rules in turn)."""
         if self._hits is None or self._hits[0] is not draft:
             seqs, best = self._greedy_sequences()
