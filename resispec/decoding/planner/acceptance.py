@@ -50,8 +50,8 @@ def calibrate_alpha(
     the caller already has them (node_logits of the same sequences and start)."""
     t_logits, d_logits = logits if logits is not None else node_logits(target, draft, sequences, start)
     if is_greedy(settings.get("temperature", 1.0)):
-        hits = greedy_hits(t_logits, d_logits, max_draws).double().mean(-1)
-        return {n: float(hits[min(n, len(hits)) - 1]) for n in range(1, max_draws + 1)}
+        alpha = greedy_alpha([greedy_hits(t_logits, d_logits, max_draws)])
+        return {n: alpha[min(n, len(alpha))] for n in range(1, max_draws + 1)}
     p, q = probs(t_logits, **settings), probs(d_logits, **settings)
     rule_obj = VERIFIERS[rule] if isinstance(rule, str) else rule
     gen = torch.Generator(device=p.device).manual_seed(seed)
