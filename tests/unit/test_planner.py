@@ -966,8 +966,16 @@ def test_batch_overhead_is_split_into_per_step_and_per_node(micro_pair, monkeypa
 
 def test_overhead_is_scaled_to_the_speed_of_the_tables(micro_pair, monkeypatch):
     """A step timed while the machine runs at half the speed the forward tables were measured at counts at the
-    tables' speed: the one-token target forward timed between the steps gives the factor."""
+    tables' speed: the one-token target forward timed between the steps gives the factor. The steps' clock is a
+    fake one (each step 10 ms), so the two measurements differ by the factor alone, not by this machine's noise
+    (with the real clock, a shared CPU once timed the same steps 2x apart and failed the bound)."""
+    import itertools
+    from types import SimpleNamespace
+
     from resispec.decoding.planner import cost as planner_mod
+
+    clock = itertools.count(0.0, 0.005)  # two readings a step: each step takes 10 ms
+    monkeypatch.setattr(planner_mod, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
 
     cost = CostModel({1: 10.0}, {1: 1.0})
     assert planner_mod.drift(cost, [0.020, 0.021, 0.019]) == pytest.approx(0.5)
