@@ -31,7 +31,6 @@ from resispec.decoding.batch_spec import BatchedSpeculativeDecoder
 from resispec.decoding.planner import Planner
 from resispec.decoding.planner.settle import SETTLE_TOKENS
 from resispec.models import load_pair
-from resispec.models.loading import load_drafter
 
 
 def decoder_for(target, draft, rule: str, tree: list[int] | None):
@@ -75,8 +74,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml")
     args = ap.parse_args(argv)
     cfg = compose_typed(args.overrides)
-    target, _, tokenizer = load_pair(cfg.target, cfg.draft, cfg.world)
-    draft = load_drafter(dataclasses.replace(cfg.draft, path=args.draft), target, cfg.world)
+    target, draft, tokenizer = load_pair(
+        cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
+    )
     planner_prompts = load_heldout_prompts(
         cfg.data, tokenizer, cfg.world, BenchConfig().plan_calibration_prompts, split="eval"
     )

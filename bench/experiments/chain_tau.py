@@ -28,7 +28,6 @@ from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.planner import Planner, expected_tau
 from resispec.decoding.planner.settle import REMEASURE_PASSES, SETTLE_PROMPTS, SETTLE_TOKENS
 from resispec.models import load_pair
-from resispec.models.loading import load_drafter
 
 
 def decoded(decoder, prompts, seeds: int, settings: dict, bar) -> tuple[int, int]:
@@ -57,8 +56,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml")
     args = ap.parse_args(argv)
     cfg = compose_typed(args.overrides)
-    target, _, tokenizer = load_pair(cfg.target, cfg.draft, cfg.world)
-    draft = load_drafter(dataclasses.replace(cfg.draft, path=args.draft), target, cfg.world)
+    target, draft, tokenizer = load_pair(
+        cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
+    )
     planner_prompts = load_heldout_prompts(
         cfg.data, tokenizer, cfg.world, SETTLE_PROMPTS * (1 + REMEASURE_PASSES), split="eval"
     )  # the ones the planner's decodes use (at T = 0 it counts tau on all of bench.plan_calibration_prompts)

@@ -23,7 +23,6 @@ from resispec.config import compose_typed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding.planner import Planner
 from resispec.models import load_pair
-from resispec.models.loading import load_drafter
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -35,8 +34,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml")
     args = ap.parse_args(argv)
     cfg = compose_typed(args.overrides)
-    target, _, tokenizer = load_pair(cfg.target, cfg.draft, cfg.world)
-    draft = load_drafter(dataclasses.replace(cfg.draft, path=args.draft), target, cfg.world)
+    target, draft, tokenizer = load_pair(
+        cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
+    )
     prompts = load_heldout_prompts(
         cfg.data, tokenizer, cfg.world, BenchConfig().plan_calibration_prompts, split="eval"
     )
