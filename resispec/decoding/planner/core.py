@@ -133,8 +133,8 @@ class Planner:
     def _greedy_hit_sets(self, draft: torch.nn.Module) -> list[torch.Tensor]:
         """Temperature 0: each prompt's greedy_hits [MAX_DRAWS, SETTLE_TOKENS] along its greedy continuation,
         from which greedy_tau counts any tree's tau as the decoder would: the target's greedy tokens
-        (_greedy_sequences) against the draft's top MAX_DRAWS, one batched teacher-forced draft forward per 8 prompts. The last
-        draft's are kept (a bench plans each draft for two rules in turn)."""
+        (_greedy_sequences) against the draft's top MAX_DRAWS, one batched teacher-forced draft forward per 8
+        prompts. The last draft's are kept (a bench plans each draft for two rules in turn)."""
         if self._hits is None or self._hits[0] is not draft:
             seqs, best = self._greedy_sequences()
             vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
