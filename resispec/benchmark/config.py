@@ -63,6 +63,10 @@ class BenchConfig:
     # validation prompts for the planner (Planner): the first 4 calibrate and choose, the next 8 re-measure the
     # choice, and at T = 0 every one counts tau (greedy_tau)
     plan_calibration_prompts: int = 48
+    # tree=auto head-to-head after the sweep (speed.confirm_plans): AR, each planned row and the best fixed row of its
+    # rule (the sweep's pick) timed again on the first round's prompts, interleaved per prompt, each call's fastest of
+    # this many repeats; 0 = off. It re-measures the sweep's winner, whose luck the sweep's max keeps.
+    plan_confirm_repeats: int = 0
     # also time the decoder on the HF forward (fast_forward=False) for every rule x tree, interleaved: the fast
     # forward's before/after in one run ("ref[...]" rows; the reference step itself is tests/oracle_decoder.py)
     reference_step: bool = False

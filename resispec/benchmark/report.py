@@ -266,10 +266,8 @@ def plan_markdown(rows: list[BenchRow]) -> list[str]:
                 notes.append(f"chosen at {pl['selected_speedup']:.2f}")
             speedup = f"{pl['speedup']:.2f}" + (f" ({'; '.join(notes)})" if notes else "")
             decoded = ", ".join(f"{c['tree']} {c['speedup']:.2f}x" for c in pl.get("candidates", [])) or "-"
-            fixed = fixed_rows_of(rows, r)
             best, vs_best = "-", "-"
-            if fixed and r.speedup is not None:
-                b = max(fixed, key=lambda x: x.speedup)
+            if (b := best_fixed_of(rows, r)) is not None:
                 same = " (=)" if r.tree == f"auto{b.tree}" else ""
                 best, vs_best = f"{b.tree} {b.speedup:.2f}", f"{r.speedup / b.speedup:.2f}{same}"
             lines.append(
@@ -285,7 +283,49 @@ def plan_markdown(rows: list[BenchRow]) -> list[str]:
                 f"prompt, whose hits count tau): {greedy_s:.1f} s."
             )
         lines.append("")
-    return lines
+    return lines + head_to_head_markdown(rows)
+
+
+def best_fixed_of(rows: list[BenchRow], planned: BenchRow) -> BenchRow | None:
+    """The sweep's fastest fixed-tree row of a tree=auto row's draft, rule and temperature (None: no such row, or
+    the planned row has no speedup)."""
+    fixed = fixed_rows_of(rows, planned)
+    return max(fixed, key=lambda x: x.speedup) if fixed and planned.speedup is not None else None
+
+
+def head_to_head_markdown(rows: list[BenchRow]) -> list[str]:
+    """The tree=auto head-to-head table (speed.confirm_plans: the planned and best fixed rows timed again after
+    the sweep) as markdown lines; none where it did not run."""
+    planned = [r for r in rows if r.stats.get("head_to_head") and r.stats.get("plan")]
+    if not planned:
+        return []
+    h0 = planned[0].stats["head_to_head"]
+    lines = [
+        f"tree=auto head-to-head, after the sweep: AR, each planned row and the best fixed row of its rule (the "
+        f"sweep's pick) timed again on the first round's {h0['prompts']} prompts, each prompt through all of them in "
+        f"turn (the order reversed every other prompt and repeat), each call counted at its fastest of "
+        f"{h0['repeats']}. The sweep's fastest row is also its luckiest; here it is measured afresh, beside the plan "
+        "and AR. predicted / measured: the planner's predicted speedup over the head-to-head's. (=): the planner "
+        "chose that very tree, one decode serves both.",
+        "",
+        "| T | row | predicted speedup | speedup, sweep | speedup, head-to-head | predicted / measured "
+        "| best fixed, head-to-head | planned / best fixed, sweep | planned / best fixed, head-to-head |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in planned:
+        h, pred = r.stats["head_to_head"], r.stats["plan"].get("speedup")
+        b = best_fixed_of(rows, r)
+        sweep = f"{r.speedup / b.speedup:.2f}" if b is not None else "-"
+        best, vs = "-", "-"
+        if h.get("best_fixed") is not None:
+            best = f"{h['best_fixed']} {h['best_speedup']:.2f}"
+            vs = f"{h['ratio']:.2f}" + (" (=)" if h["same_tree"] else "")
+        miss = f"{pred / h['speedup'] - 1:+.1%}" if pred is not None else "-"
+        lines.append(
+            f"| {r.temperature:g} | {r.label} | {_fmt(pred)} | {_fmt(r.speedup)} | {h['speedup']:.2f} "
+            f"| {miss} | {best} | {sweep} | {vs} |"
+        )
+    return lines + [""]
 
 
 def log_wandb(rows: list[BenchRow], logger, output_dir: Path, run_name: str, meta: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from resispec.benchmark import vllm_peer
 from resispec.benchmark.config import BenchConfig
-from resispec.benchmark.report import best_lines, log_wandb, print_table, write_report
+from resispec.benchmark.report import best_fixed_of, best_lines, log_wandb, print_table, write_report
 from resispec.benchmark.results import BenchRow, Method, sum_stats, tree_str
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import DecodeStats, SpeculativeDecoder
@@ -187,6 +187,15 @@ def round_prompts(prompts: list[list[int]], rounds: int) -> list[list[tuple[int,
     return [indexed[i : i + per] for i in range(0, len(indexed), per)]
 
 
+def _timed(m: Method, prompt: list[int], seed: int, bench: BenchConfig, device) -> tuple[float, int, Any]:
+    """One timed call of a method: (seconds, new tokens, DecodeStats | None)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    num, stats = m.run(prompt, seed, bench.max_new_tokens)
+    _sync(device)
+    return time.perf_counter() - t0, num, stats
+
+
 def time_methods(
     methods: list[Method], prompts: list[list[int]], bench: BenchConfig, temperature: float, device, bar
 ) -> None:
@@ -209,11 +218,8 @@ def time_methods(
             for m in order:
                 where = f"round {rnd + 1}/{len(rounds)} " if len(rounds) > 1 else ""
                 bar.set_postfix_str(f"T={temperature:g} {where}prompt {i + 1}/{len(prompts)} {m.row.label}")
-                _sync(device)
-                t0 = time.perf_counter()
-                num, stats = m.run(p, bench.seed + i, bench.max_new_tokens)  # same seed for every method
-                _sync(device)
-                seconds = time.perf_counter() - t0
+                # the same seed for every method
+                seconds, num, stats = _timed(m, p, bench.seed + i, bench, device)
                 m.seconds += seconds
                 m.tokens += num
                 m.round_seconds[-1] += seconds
@@ -221,6 +227,57 @@ def time_methods(
                 if stats is not None:
                     m.stats.append(stats)
                 bar.update()
+
+
+def confirm_plans(
+    methods: list[Method], prompts: list[list[int]], bench: BenchConfig, temperature: float, device, bar
+) -> None:
+    """The tree=auto head-to-head, after fill_rows (bench.plan_confirm_repeats > 0): AR, every planned row and the
+    best fixed row of its draft and rule (picked by the sweep's speedup; none to re-time where that is the planned
+    tree itself) timed again on the first round's prompts, each prompt through all of them in turn (the order
+    reversed every other prompt and repeat), each (method, prompt) counted at its fastest of the repeats. The sweep
+    picks the best fixed row and this measures it afresh, so the luck that made it the sweep's fastest does not
+    count against the plan, and a burst of a shared machine in one call is dropped. Each planned row gets
+    stats["head_to_head"]: its speedup over AR, the best fixed row's, and their ratio."""
+    repeats = bench.plan_confirm_repeats
+    planned = [m for m in methods if m.row.stats.get("plan")]
+    if repeats <= 0 or not planned:
+        return
+    rows = [m.row for m in methods]
+    method_of = {id(m.row): m for m in methods}
+    best: dict[int, BenchRow | None] = {}  # planned method -> the sweep's best fixed row of its rule
+    group = [methods[0]]  # AR: the yardstick
+    for m in planned:
+        best[id(m)] = b = best_fixed_of(rows, m.row)
+        for g in [m] if b is None or m.row.tree == "auto" + b.tree else [m, method_of[id(b)]]:
+            if all(g is not x for x in group):
+                group.append(g)
+    block = round_prompts(prompts, bench.rounds)[0]
+    bar.total += len(group) * len(block) * repeats
+    fastest = {id(m): [math.inf] * len(block) for m in group}
+    tokens = {id(m): [0] * len(block) for m in group}
+    for rep in range(repeats):
+        for j, (i, p) in enumerate(block):
+            for m in group if (rep + j) % 2 == 0 else group[::-1]:
+                where = f"head-to-head {rep + 1}/{repeats} prompt {j + 1}/{len(block)}"
+                bar.set_postfix_str(f"T={temperature:g} {where} {m.row.label}")
+                seconds, num, _ = _timed(m, p, bench.seed + i, bench, device)  # the sweep's seed
+                fastest[id(m)][j] = min(fastest[id(m)][j], seconds)
+                tokens[id(m)][j] = num
+                bar.update()
+    ar_tps = sum(tokens[id(methods[0])]) / sum(fastest[id(methods[0])])
+
+    def speedup(m: Method) -> float:
+        return sum(tokens[id(m)]) / sum(fastest[id(m)]) / ar_tps
+
+    for m in planned:
+        h = {"speedup": speedup(m), "prompts": len(block), "repeats": repeats}
+        if (b := best[id(m)]) is not None:
+            same = m.row.tree == "auto" + b.tree  # the same decode: one measure serves both
+            b_speedup = h["speedup"] if same else speedup(method_of[id(b)])
+            h.update(best_fixed=b.tree, best_speedup=b_speedup, same_tree=same)
+            h["ratio"] = h["speedup"] / b_speedup
+        m.row.stats["head_to_head"] = h
 
 
 def fill_rows(
@@ -299,6 +356,7 @@ def bench_pair(
             bar = tqdm(total=total, desc="bench", disable=not progress, unit="gen")
         time_methods(methods, prompts, bench, temperature, device, bar)
         rows += fill_rows(methods, len(prompts), drafts, plan)
+        confirm_plans(methods, prompts, bench, temperature, device, bar)
         if bench.vllm:
             vllm_peer.finish(methods, bench)
     if bar is not None:

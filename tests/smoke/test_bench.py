@@ -64,6 +64,9 @@ def test_bench_script_writes_report(micro_world, tmp_path):
                 plan = r["stats"]["plan"]
                 assert r["tree"] == "auto[" + ",".join(map(str, plan["tree"])) + "]"
                 assert 1.0 <= plan["tau"] <= 1 + len(plan["tree"])  # at most every level accepted
+                h = r["stats"]["head_to_head"]  # timed again after the sweep, beside AR and its rule's best row
+                assert h["best_fixed"] == "[2,1]" and h["speedup"] > 0 and h["repeats"] == 2
+                assert h["ratio"] == (1.0 if h["same_tree"] else pytest.approx(h["speedup"] / h["best_speedup"]))
             elif r["method"] == "spec":
                 assert len(r["per_depth_acceptance"]) == 2 and r["c"] > 0
                 # tau is tokens per verify forward, read from the row's own counters, and at most every level
@@ -79,6 +82,7 @@ def test_bench_script_writes_report(micro_world, tmp_path):
     report = (out / "report.md").read_text()
     assert "| T | method |" in report and "Per-step breakdown" in report and "tree=auto" in report
     assert "| overhead / AR token | overhead / target fwd |" in report
+    assert "tree=auto head-to-head, after the sweep" in report
     assert set(rows[0]["stats"]["cost_model"]) == {"draft", "second"}  # target and draft ms vs tokens
     assert "tok/s" in proc.stdout and "speedup" in proc.stdout  # the rich table was printed
     assert list(tmp_path.glob("wandb/offline-run-*")), "no offline W&B run was written"

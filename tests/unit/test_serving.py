@@ -483,6 +483,77 @@ def test_speed_bench_rounds_reverse_the_order_with_fresh_seeds_and_show_their_sp
     assert "Rounds:" not in write_report(rows[:1], tmp_path, {})["md"].read_text()  # one round: no line
 
 
+def test_plan_head_to_head_re_times_the_sweeps_pick_beside_the_plan_and_keeps_each_calls_fastest(
+    monkeypatch, tmp_path
+):
+    """bench.plan_confirm_repeats: after the sweep, AR, every planned row and the best fixed row of its rule (by the
+    sweep's speedup) are timed again on the first round's prompts, the order reversed every other prompt and
+    repeat, each (method, prompt) at its fastest; a plan of the best fixed tree itself re-times no second row, a
+    rule without fixed rows gets no comparison; the report shows the sweep's and the head-to-head's ratios."""
+    import resispec.benchmark.speed as speed
+    from resispec.benchmark.results import Method
+
+    clock = [0.0]
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: clock[0])
+    calls: list[tuple[str, int, int]] = []
+
+    def method(row: BenchRow, seconds: float, sweep_speedup: float, burst: int | None = None) -> Method:
+        row.speedup = sweep_speedup
+
+        def run(prompt, seed, max_new_tokens):
+            calls.append((row.label, prompt[0], seed))
+            n = len([c for c in calls if c[0] == row.label])
+            clock[0] += seconds * (10 if n == burst else 1)  # a burst of the machine in one call
+            return 10, None
+
+        return Method(row, run)
+
+    def planned(rule: str, tree: str, speedup: float) -> BenchRow:
+        return BenchRow("spec", 1.0, "d", rule, tree, stats={"plan": {"tau": 2.0, "speedup": speedup}})
+
+    methods = [
+        method(BenchRow("ar", 1.0), 1.0, 1.0, burst=1),
+        method(BenchRow("spec", 1.0, "d", "resispec", "[1,1]"), 0.5, 2.1),  # the sweep's pick (lucky)
+        method(BenchRow("spec", 1.0, "d", "resispec", "[4,2]"), 0.6, 1.5),
+        method(BenchRow("spec", 1.0, "d", "chain", "[1,1]"), 0.5, 1.9),
+        method(planned("resispec", "auto[2,1]", 2.2), 0.45, 1.8),  # truly faster than [1,1]
+        method(planned("chain", "auto[1,1]", 2.0), 0.5, 1.8),  # the best fixed tree itself
+        method(planned("hub", "auto[3]", 1.2), 0.8, 1.2),  # no fixed rows of its rule
+    ]
+
+    class Bar:
+        total = 0
+
+        def set_postfix_str(self, _):
+            pass
+
+        def update(self):
+            pass
+
+    bench = BenchConfig(rounds=2, seed=5, max_new_tokens=16, plan_confirm_repeats=2)
+    speed.confirm_plans(methods, [[100], [200], [300], [400]], bench, 1.0, torch.device("cpu"), Bar())
+    group = ["AR", "resispec auto[2,1] (d)", "resispec [1,1] (d)", "chain auto[1,1] (d)", "hub auto[3] (d)"]
+    assert [c[0] for c in calls] == group + group[::-1] + group[::-1] + group  # prompt x repeat, alternating
+    assert [c[1:] for c in calls[:: len(group)]] == [(100, 5), (200, 6), (100, 5), (200, 6)]  # round 1, its seeds
+    h = {m.row.tree: m.row.stats.get("head_to_head") for m in methods}
+    assert h["[1,1]"] is None and h["[4,2]"] is None  # fixed rows carry no head-to-head of their own
+    assert h["auto[2,1]"]["speedup"] == pytest.approx(1 / 0.45)  # AR's burst dropped: its fastest is 1.0 s
+    assert h["auto[2,1]"]["best_fixed"] == "[1,1]" and h["auto[2,1]"]["best_speedup"] == pytest.approx(2.0)
+    assert h["auto[2,1]"]["ratio"] == pytest.approx(0.5 / 0.45) and not h["auto[2,1]"]["same_tree"]
+    assert h["auto[1,1]"]["same_tree"] and h["auto[1,1]"]["ratio"] == 1.0
+    assert "best_fixed" not in h["auto[3]"] and h["auto[3]"]["speedup"] == pytest.approx(1.25)
+    assert (h["auto[2,1]"]["prompts"], h["auto[2,1]"]["repeats"]) == (2, 2)
+    md = write_report([m.row for m in methods], tmp_path, {})["md"].read_text()
+    assert "tree=auto head-to-head, after the sweep" in md
+    # sweep: 1.8 / 2.1 = 0.86 behind the lucky pick; head-to-head: 2.22 / 2.00 = 1.11 ahead; predicted 2.2: -1.0%
+    assert "| 1 | resispec auto[2,1] (d) | 2.20 | 1.80 | 2.22 | -1.0% | [1,1] 2.00 | 0.86 | 1.11 |" in md
+    assert "| 1 | chain auto[1,1] (d) | 2.00 | 1.80 | 2.00 | +0.0% | [1,1] 2.00 | 0.95 | 1.00 (=) |" in md
+    assert "| 1 | hub auto[3] (d) | 1.20 | 1.20 | 1.25 | -4.0% | - | - | - |" in md
+    confirmed = len(calls)
+    speed.confirm_plans(methods, [[100]], BenchConfig(plan_confirm_repeats=0), 1.0, torch.device("cpu"), Bar())
+    assert len(calls) == confirmed  # 0: off
+
+
 def test_sum_stats_adds_counters():
     a = DecodeStats(
         num_drafts=2, num_accepted_tokens=3, accepted_per_position=[2, 1], reached_per_position=[2, 1]
