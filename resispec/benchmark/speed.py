@@ -229,6 +229,32 @@ def time_methods(
                 bar.update()
 
 
+def time_fastest(
+    group: list[Method],
+    block: list[tuple[int, list[int]]],
+    repeats: int,
+    bench: BenchConfig,
+    device,
+    bar,
+    what: str,
+) -> dict[int, float]:
+    """`repeats` passes over `block` (round_prompts' (index, prompt) pairs, each with the sweep's seed), each prompt
+    through every method of `group` in turn, the order reversed every other prompt and pass; each (method, prompt)
+    counts at its fastest call. Returns id(method) -> tokens/s (all tokens / the fastest calls' seconds)."""
+    bar.total += len(group) * len(block) * repeats
+    fastest = {id(m): [math.inf] * len(block) for m in group}
+    tokens = {id(m): [0] * len(block) for m in group}
+    for rep in range(repeats):
+        for j, (i, p) in enumerate(block):
+            for m in group if (rep + j) % 2 == 0 else group[::-1]:
+                bar.set_postfix_str(f"{what} {rep + 1}/{repeats} prompt {j + 1}/{len(block)} {m.row.label}")
+                seconds, num, _ = _timed(m, p, bench.seed + i, bench, device)
+                fastest[id(m)][j] = min(fastest[id(m)][j], seconds)
+                tokens[id(m)][j] = num
+                bar.update()
+    return {k: sum(tokens[k]) / sum(fastest[k]) for k in fastest}
+
+
 def confirm_plans(
     methods: list[Method], prompts: list[list[int]], bench: BenchConfig, temperature: float, device, bar
 ) -> None:
@@ -253,22 +279,10 @@ def confirm_plans(
             if all(g is not x for x in group):
                 group.append(g)
     block = round_prompts(prompts, bench.rounds)[0]
-    bar.total += len(group) * len(block) * repeats
-    fastest = {id(m): [math.inf] * len(block) for m in group}
-    tokens = {id(m): [0] * len(block) for m in group}
-    for rep in range(repeats):
-        for j, (i, p) in enumerate(block):
-            for m in group if (rep + j) % 2 == 0 else group[::-1]:
-                where = f"head-to-head {rep + 1}/{repeats} prompt {j + 1}/{len(block)}"
-                bar.set_postfix_str(f"T={temperature:g} {where} {m.row.label}")
-                seconds, num, _ = _timed(m, p, bench.seed + i, bench, device)  # the sweep's seed
-                fastest[id(m)][j] = min(fastest[id(m)][j], seconds)
-                tokens[id(m)][j] = num
-                bar.update()
-    ar_tps = sum(tokens[id(methods[0])]) / sum(fastest[id(methods[0])])
+    tps = time_fastest(group, block, repeats, bench, device, bar, f"T={temperature:g} head-to-head")
 
     def speedup(m: Method) -> float:
-        return sum(tokens[id(m)]) / sum(fastest[id(m)]) / ar_tps
+        return tps[id(m)] / tps[id(methods[0])]
 
     for m in planned:
         h = {"speedup": speedup(m), "prompts": len(block), "repeats": repeats}
