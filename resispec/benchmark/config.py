@@ -67,6 +67,10 @@ class BenchConfig:
     # rule (the sweep's pick) timed again on the first round's prompts, interleaved per prompt, each call's fastest of
     # this many repeats; 0 = off. It re-measures the sweep's winner, whose luck the sweep's max keeps.
     plan_confirm_repeats: int = 0
+    # the head-to-head's prompts: the first this many bench prompts; 0 = the first round's (bench.num_prompts). Two
+    # identical decodes read within 5% in 10 of 10 trials at 12 prompts x 3 repeats, in 8 of 10 at 6 x 2
+    # (bench/experiments/h2h_noise.py; docs/decoder_speed.md)
+    plan_confirm_prompts: int = 0
     # also time the decoder on the HF forward (fast_forward=False) for every rule x tree, interleaved: the fast
     # forward's before/after in one run ("ref[...]" rows; the reference step itself is tests/oracle_decoder.py)
     reference_step: bool = False

@@ -260,7 +260,7 @@ def confirm_plans(
 ) -> None:
     """The tree=auto head-to-head, after fill_rows (bench.plan_confirm_repeats > 0): AR, every planned row and the
     best fixed row of its draft and rule (picked by the sweep's speedup; none to re-time where that is the planned
-    tree itself) timed again on the first round's prompts, each prompt through all of them in turn (the order
+    tree itself) timed again on the first round's prompts (or the first bench.plan_confirm_prompts), each prompt through all of them in turn (the order
     reversed every other prompt and repeat), each (method, prompt) counted at its fastest of the repeats. The sweep
     picks the best fixed row and this measures it afresh, so the luck that made it the sweep's fastest does not
     count against the plan. The machine's own noise stays: two identical decodes timed this way read up to 5-10%
@@ -279,7 +279,7 @@ def confirm_plans(
         for g in [m] if b is None or m.row.tree == "auto" + b.tree else [m, method_of[id(b)]]:
             if all(g is not x for x in group):
                 group.append(g)
-    block = round_prompts(prompts, bench.rounds)[0]
+    block = list(enumerate(prompts))[: bench.plan_confirm_prompts] or round_prompts(prompts, bench.rounds)[0]
     tps = time_fastest(group, block, repeats, bench, device, bar, f"T={temperature:g} head-to-head")
 
     def speedup(m: Method) -> float:

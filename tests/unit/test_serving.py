@@ -534,7 +534,8 @@ def test_plan_head_to_head_re_times_the_sweeps_pick_beside_the_plan_and_keeps_ea
     speed.confirm_plans(methods, [[100], [200], [300], [400]], bench, 1.0, torch.device("cpu"), Bar())
     group = ["AR", "resispec auto[2,1] (d)", "resispec [1,1] (d)", "chain auto[1,1] (d)", "hub auto[3] (d)"]
     assert [c[0] for c in calls] == group + group[::-1] + group[::-1] + group  # prompt x repeat, alternating
-    assert [c[1:] for c in calls[:: len(group)]] == [(100, 5), (200, 6), (100, 5), (200, 6)]  # round 1, its seeds
+    # round 1's prompts, with their seeds
+    assert [c[1:] for c in calls[:: len(group)]] == [(100, 5), (200, 6), (100, 5), (200, 6)]
     h = {m.row.tree: m.row.stats.get("head_to_head") for m in methods}
     assert h["[1,1]"] is None and h["[4,2]"] is None  # fixed rows carry no head-to-head of their own
     assert h["auto[2,1]"]["speedup"] == pytest.approx(1 / 0.45)  # AR's burst dropped: its fastest is 1.0 s
@@ -550,8 +551,13 @@ def test_plan_head_to_head_re_times_the_sweeps_pick_beside_the_plan_and_keeps_ea
     assert "| 1 | chain auto[1,1] (d) | 2.00 | 1.80 | 2.00 | +0.0% | [1,1] 2.00 | 0.95 | 1.00 (=) |" in md
     assert "| 1 | hub auto[3] (d) | 1.20 | 1.20 | 1.25 | -4.0% | - | - | - |" in md
     confirmed = len(calls)
-    speed.confirm_plans(methods, [[100]], BenchConfig(plan_confirm_repeats=0), 1.0, torch.device("cpu"), Bar())
+    off = BenchConfig(plan_confirm_repeats=0)
+    speed.confirm_plans(methods, [[100]], off, 1.0, torch.device("cpu"), Bar())
     assert len(calls) == confirmed  # 0: off
+    bench = BenchConfig(rounds=2, seed=5, max_new_tokens=16, plan_confirm_repeats=1, plan_confirm_prompts=3)
+    speed.confirm_plans(methods, [[100], [200], [300], [400]], bench, 1.0, torch.device("cpu"), Bar())
+    assert [c[1:] for c in calls[confirmed :: len(group)]] == [(100, 5), (200, 6), (300, 7)]  # the first 3
+    assert methods[4].row.stats["head_to_head"]["prompts"] == 3
 
 
 def test_sum_stats_adds_counters():
