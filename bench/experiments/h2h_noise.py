@@ -1,7 +1,7 @@
 """The noise floor of a timed comparison: two decoders doing the very same work, timed as the bench times rows.
 
 python bench/experiments/h2h_noise.py --draft <run>/distill/draft [--trials 4] [--tree 1 1 1 1 1]
-    [--protocols 12x1 6x2 12x2 12x3] [-- Hydra overrides of conf/distill.yaml, e.g. +recipe=tiny]
+    [--protocols 12x1 6x2 12x2 12x3] -- [Hydra overrides of conf/distill.yaml, e.g. +recipe=tiny]
 
 Two SpeculativeDecoder instances with one rule and one tree (the same seeded decode, token for token) sit in a group
 with AR and two other trees, as the planned and best fixed rows sit in the bench's head-to-head

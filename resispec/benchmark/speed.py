@@ -260,12 +260,13 @@ def confirm_plans(
 ) -> None:
     """The tree=auto head-to-head, after fill_rows (bench.plan_confirm_repeats > 0): AR, every planned row and the
     best fixed row of its draft and rule (picked by the sweep's speedup; none to re-time where that is the planned
-    tree itself) timed again on the first round's prompts (or the first bench.plan_confirm_prompts), each prompt through all of them in turn (the order
-    reversed every other prompt and repeat), each (method, prompt) counted at its fastest of the repeats. The sweep
-    picks the best fixed row and this measures it afresh, so the luck that made it the sweep's fastest does not
-    count against the plan. The machine's own noise stays: two identical decodes timed this way read up to 5-10%
-    apart (bench/experiments/h2h_noise.py, docs/decoder_speed.md). Each planned row gets stats["head_to_head"]: its
-    speedup over AR, the best fixed row's, and their ratio."""
+    tree itself) timed again on the first round's prompts (or the first bench.plan_confirm_prompts), each prompt
+    through all of them in turn (the order reversed every other prompt and repeat), each (method, prompt) counted at
+    its fastest of the repeats. The sweep picks the best fixed row and this measures it afresh, so the luck that made
+    it the sweep's fastest does not count against the plan. The machine's noise stays: two identical decodes timed
+    this way read up to 8% apart at 6 prompts x 2, within 5% at 12 x 3 (bench/experiments/h2h_noise.py,
+    docs/decoder_speed.md). Each planned row gets stats["head_to_head"]: its speedup over AR, the best fixed row's,
+    and their ratio."""
     repeats = bench.plan_confirm_repeats
     planned = [m for m in methods if m.row.stats.get("plan")]
     if repeats <= 0 or not planned:
