@@ -421,6 +421,18 @@ def test_write_report_writes_three_files(tmp_path: Path):
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
 
 
+class Bar:
+    """A progress bar that shows nothing (the bench's timing loops take one)."""
+
+    total = 0
+
+    def set_postfix_str(self, _):
+        pass
+
+    def update(self):
+        pass
+
+
 def test_speed_bench_rounds_reverse_the_order_with_fresh_seeds_and_show_their_spread(monkeypatch, tmp_path):
     """bench.rounds: each round its own prompts (consecutive blocks), each through every method in turn, the order
     reversed every other round (ABBA), the same seed for every method (bench.seed + the prompt's index); the
@@ -450,13 +462,6 @@ def test_speed_bench_rounds_reverse_the_order_with_fresh_seeds_and_show_their_sp
         method(BenchRow("spec", 1.0, "d", "chain", "[1]"), [0.5, 1.0]),
         method(BenchRow("spec", 1.0, "d", "rrs", "[1]"), [0.5, 0.8]),
     ]
-
-    class Bar:
-        def set_postfix_str(self, _):
-            pass
-
-        def update(self):
-            pass
 
     bench = BenchConfig(rounds=2, seed=5, warmup=1, max_new_tokens=16)
     speed.time_methods(methods, [[100], [200], [300], [400]], bench, 1.0, torch.device("cpu"), Bar())
@@ -520,15 +525,6 @@ def test_plan_head_to_head_re_times_the_sweeps_pick_beside_the_plan_and_keeps_ea
         method(planned("chain", "auto[1,1]", 2.0), 0.5, 1.8),  # the best fixed tree itself
         method(planned("hub", "auto[3]", 1.2), 0.8, 1.2),  # no fixed rows of its rule
     ]
-
-    class Bar:
-        total = 0
-
-        def set_postfix_str(self, _):
-            pass
-
-        def update(self):
-            pass
 
     bench = BenchConfig(rounds=2, seed=5, max_new_tokens=16, plan_confirm_repeats=2)
     speed.confirm_plans(methods, [[100], [200], [300], [400]], bench, 1.0, torch.device("cpu"), Bar())
