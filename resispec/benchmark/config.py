@@ -62,7 +62,7 @@ class BenchConfig:
     plan_rules: list[str] = field(default_factory=lambda: ["resispec", "resispec_auto"])
     # validation prompts for the planner (Planner): the first 4 calibrate and choose, the next 8 re-measure the
     # choice, and at T = 0 every one counts tau (greedy_tau)
-    plan_calibration_prompts: int = 48
+    plan_calibration_prompts: int = 96
     # tree=auto head-to-head after the sweep (speed.confirm_plans): AR, each planned row and the best fixed row of its
     # rule (the sweep's pick) timed again on the first round's prompts, interleaved per prompt, each call's fastest of
     # this many repeats; 0 = off. It re-measures the sweep's winner, whose luck the sweep's max keeps.
@@ -71,6 +71,10 @@ class BenchConfig:
     # identical decodes read within 5% in 10 of 10 trials at 12 prompts x 3 repeats, in 8 of 10 at 6 x 2
     # (bench/experiments/h2h_noise.py; docs/decoder_speed.md)
     plan_confirm_prompts: int = 0
+    # T = 0: each planned tree and the best fixed tree of its rule counted (greedy_tau, replayed: no decode) on this
+    # many test prompts, the bench's first (speed.check_plans_greedy): the timed speedups carried to their tau, so
+    # the plan, its prediction and the best fixed row compare beyond the few prompts timed; 0 = off
+    plan_check_prompts: int = 0
     # also time the decoder on the HF forward (fast_forward=False) for every rule x tree, interleaved: the fast
     # forward's before/after in one run ("ref[...]" rows; the reference step itself is tests/oracle_decoder.py)
     reference_step: bool = False

@@ -283,7 +283,7 @@ def plan_markdown(rows: list[BenchRow]) -> list[str]:
                 f"prompt, whose hits count tau): {greedy_s:.1f} s."
             )
         lines.append("")
-    return lines + head_to_head_markdown(rows)
+    return lines + head_to_head_markdown(rows) + greedy_pool_markdown(rows)
 
 
 def best_fixed_of(rows: list[BenchRow], planned: BenchRow) -> BenchRow | None:
@@ -324,6 +324,45 @@ def head_to_head_markdown(rows: list[BenchRow]) -> list[str]:
         lines.append(
             f"| {r.temperature:g} | {r.label} | {_fmt(pred)} | {_fmt(r.speedup)} | {h['speedup']:.2f} "
             f"| {miss} | {best} | {sweep} | {vs} |"
+        )
+    return lines + [""]
+
+
+def greedy_pool_markdown(rows: list[BenchRow]) -> list[str]:
+    """The T = 0 plans on many prompts (speed.check_plans_greedy: greedy tau replayed on the bench's prompts and
+    more of the test split, the timed speedups carried to it) as markdown lines; none where it did not run."""
+    planned = [r for r in rows if r.stats.get("greedy_pool") and r.stats.get("plan")]
+    if not planned:
+        return []
+    g0 = planned[0].stats["greedy_pool"]
+    lines = [
+        f"tree=auto at T = 0 on {g0['prompts']} test prompts: each planned tree and the best fixed tree of its rule "
+        f"counted on them (greedy tau, the decoder's own count replayed along the target's greedy continuations, EOS "
+        f"ignored: exact, no decode), against the {g0['timed_prompts']} prompts its speedup was timed on (the "
+        f"{g0['timed_by']}'s, the first of them); that speedup carried to the {g0['prompts']} prompts' tau "
+        "(x tau there / tau on the timed prompts: a decode of fixed length takes steps as 1 / tau). A few prompts' "
+        "tau is their luck: the greedy chain's spreads by about 0.6 a prompt on the tiny world. predicted / "
+        "carried: the planner's prediction (its tau counted on validation prompts) over the carried speedup.",
+        "",
+        "| row | tau, timed prompts | tau, all | speedup, carried | predicted / carried "
+        "| best fixed: tau, timed prompts | tau, all | speedup, carried | planned / best fixed, carried |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in planned:
+        g, pred = r.stats["greedy_pool"], r.stats["plan"].get("speedup")
+        miss = f"{pred / g['speedup'] - 1:+.1%}" if pred is not None else "-"
+        best = ["-"] * 4
+        if g.get("best_fixed") is not None:
+            best = [
+                f"{g['best_fixed']} {g['best_tau_timed']:.2f}",
+                f"{g['best_tau']:.2f}",
+                f"{g['best_speedup']:.2f}",
+                f"{g['ratio']:.3f}",
+            ]
+        lines.append(
+            f"| {r.label} | {g['tau_timed']:.2f} | {g['tau']:.2f} | {g['speedup']:.2f} | {miss} | "
+            + " | ".join(best)
+            + " |"
         )
     return lines + [""]
 

@@ -30,11 +30,12 @@ from resispec.benchmark.results import BenchRow, Method, sum_stats, tree_str
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import DecodeStats, SpeculativeDecoder
 from resispec.decoding.config import DecodeConfig
-from resispec.decoding.planner import CostModel, Planner
+from resispec.decoding.planner import CostModel, Planner, greedy_continuations, greedy_hit_sets, greedy_tau
 from resispec.models import load_pair
 from resispec.models.config import ModelConfig
 from resispec.models.head import is_head
 from resispec.models.loading import check_same_tokenizer, load_drafter, load_tokenizer, resolve_device
+from resispec.sampling import is_greedy
 from resispec.verify import build_rule
 
 log = logging.getLogger(__name__)
@@ -296,6 +297,57 @@ def confirm_plans(
         m.row.stats["head_to_head"] = h
 
 
+def planned_tree(row: BenchRow) -> list[int]:
+    """A planned or fixed row's tree as a list ("auto[2,1,1]" or "[1,1,1,1]")."""
+    return [int(b) for b in row.tree.removeprefix("auto").strip("[]").split(",")]
+
+
+def _carried(tree: list[int], speedup: float, hit_sets: list[torch.Tensor], timed: int) -> dict:
+    """`tree`'s greedy tau over every prompt of `hit_sets` and over the first `timed` (those its `speedup` was timed
+    on), and that speedup carried to the former."""
+    tau, tau_timed = greedy_tau(tree, hit_sets), greedy_tau(tree, hit_sets[:timed])
+    return {"tau": tau, "tau_timed": tau_timed, "speedup": speedup * tau / tau_timed}
+
+
+def check_plans_greedy(
+    methods: list[Method],
+    prompts: list[list[int]],
+    pool: list[list[int]],
+    target,
+    drafts: dict[str, Any],
+    max_new_tokens: int,
+) -> None:
+    """Temperature 0, after confirm_plans (bench.plan_check_prompts > 0): each planned row's tree and the best fixed
+    row of its rule counted on `pool` (the bench's prompts first, then more test prompts) by greedy_tau, the
+    decoder's own tau along the target's greedy continuations (EOS ignored), replayed instead of decoded: cheap and
+    exact. A speedup's prompts sample a wide spread (the tiny world's greedy chain tau: 0.6 a prompt around 2.8) and
+    the bench times few; here each timed speedup (the head-to-head's, else the sweep's) is carried to the pool's
+    tau (speedup x pool tau / its own prompts' tau: a decode of a fixed length takes steps as 1 / tau), so the plan,
+    its prediction and the best fixed row compare on many prompts. Each planned row of a causal-LM draft gets
+    stats["greedy_pool"]."""
+    planned = [m for m in methods if m.row.stats.get("plan") and not is_head(drafts[m.row.draft])]
+    if not planned or len(pool) <= len(prompts):
+        return
+    continuations = greedy_continuations(target, pool, max_new_tokens)
+    hits: dict[str, list[torch.Tensor]] = {}
+    rows = [m.row for m in methods]
+    for m in planned:
+        r = m.row
+        if r.draft not in hits:
+            hits[r.draft] = greedy_hit_sets(target, drafts[r.draft], pool, continuations)
+        h2h = r.stats.get("head_to_head")
+        timed = h2h["prompts"] if h2h else len(prompts)  # the first prompts, in both
+        speedup = h2h["speedup"] if h2h else r.speedup
+        out = {"prompts": len(pool), "timed_prompts": timed, "timed_by": "head-to-head" if h2h else "sweep"}
+        out.update(_carried(planned_tree(r), speedup, hits[r.draft], timed))
+        if (b := best_fixed_of(rows, r)) is not None:
+            b_speedup = h2h.get("best_speedup", speedup) if h2h else b.speedup
+            best = _carried(planned_tree(b), b_speedup, hits[r.draft], timed)
+            out.update(best_fixed=b.tree, **{f"best_{k}": v for k, v in best.items()})
+            out["ratio"] = out["speedup"] / best["speedup"]
+        r.stats["greedy_pool"] = out
+
+
 def fill_rows(
     methods: list[Method], num_prompts: int, drafts: dict[str, Any], plan: Planner | None
 ) -> list[BenchRow]:
@@ -343,9 +395,11 @@ def bench_pair(
     decode: DecodeConfig,
     progress: bool = True,
     calibration: list[list[int]] | None = None,
+    pool: list[list[int]] | None = None,
 ) -> list[BenchRow]:
     """Measure AR, every (draft, rule, tree), the planned trees and HF assisted generation on `prompts` at each
-    temperature. `calibration`: prompts for the planner (default: the bench prompts themselves).
+    temperature. `calibration`: prompts for the planner (default: the bench prompts themselves). `pool`: `prompts`
+    then more test prompts, on which check_plans_greedy counts the T = 0 plans' tau (None: no check).
 
     Methods are interleaved per prompt (prompt 1: every method, prompt 2: every method, ...), so a slow phase of
     a shared machine hits all methods alike and the speedups stay comparable."""
@@ -373,6 +427,9 @@ def bench_pair(
         time_methods(methods, prompts, bench, temperature, device, bar)
         rows += fill_rows(methods, len(prompts), drafts, plan)
         confirm_plans(methods, prompts, bench, temperature, device, bar)
+        if pool and is_greedy(temperature):
+            bar.set_postfix_str(f"T={temperature:g} plans' greedy tau on {len(pool)} prompts")
+            check_plans_greedy(methods, prompts, pool, target, drafts, bench.max_new_tokens)
         if bench.vllm:
             vllm_peer.finish(methods, bench)
     if bar is not None:
@@ -514,8 +571,24 @@ def run_bench(
         calibration = load_heldout_prompts(
             data, tokenizer, world, bench.plan_calibration_prompts, split="eval"
         )
+    pool = None  # check_plans_greedy's: the bench's prompts, then more of the test split
+    if (
+        calibration is not None
+        and bench.plan_check_prompts > len(prompts)
+        and any(map(is_greedy, bench.temperatures))
+    ):
+        more = load_heldout_prompts(data, tokenizer, world, bench.plan_check_prompts)
+        pool = prompts + [p for p in more if p not in prompts][: bench.plan_check_prompts - len(prompts)]
     rows = bench_pair(
-        target, drafts, tokenizer, prompts, bench, decode, progress=progress, calibration=calibration
+        target,
+        drafts,
+        tokenizer,
+        prompts,
+        bench,
+        decode,
+        progress=progress,
+        calibration=calibration,
+        pool=pool,
     )
     device = next(target.parameters()).device
     meta = {

@@ -24,7 +24,7 @@ class DecodeConfig:
     tree: Any = field(default_factory=lambda: list(DEFAULT_TREE))
     # tree=auto: held-out prompts (data eval split) for the planner: the first 4 calibrate acceptance and choose
     # the tree, the next 8 re-measure the choice, and at T = 0 every one counts tau (Planner)
-    plan_prompts: int = 48
+    plan_prompts: int = 96
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0

@@ -829,9 +829,9 @@ def test_t_zero_counts_tau_on_every_prompt_and_books_the_continuations_apart(
     and their seconds go to Planner.greedy_s, not to that plan's startup_s; T > 0 makes none."""
     import time as time_mod
 
-    from resispec.decoding.planner import core as planner_mod
+    from resispec.decoding.batch_ar import BatchedDecoder
 
-    real_generate = planner_mod.BatchedDecoder.generate
+    real_generate = BatchedDecoder.generate
     made = []
 
     def slow_generate(self, prompts, settings=None):
@@ -839,7 +839,7 @@ def test_t_zero_counts_tau_on_every_prompt_and_books_the_continuations_apart(
         time_mod.sleep(1.0)
         return real_generate(self, prompts, settings)
 
-    monkeypatch.setattr(planner_mod.BatchedDecoder, "generate", slow_generate)
+    monkeypatch.setattr(BatchedDecoder, "generate", slow_generate)
     target, draft = micro_pair
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 64, (6,), generator=gen).tolist() for _ in range(4 * SETTLE_PROMPTS)]

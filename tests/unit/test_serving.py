@@ -556,6 +556,80 @@ def test_plan_head_to_head_re_times_the_sweeps_pick_beside_the_plan_and_keeps_ea
     assert methods[4].row.stats["head_to_head"]["prompts"] == 3
 
 
+def test_plan_greedy_check_counts_the_plans_tau_on_more_prompts_and_carries_the_timed_speedups(
+    micro_world, tmp_path
+):
+    """bench.plan_check_prompts: at T = 0, each planned tree and the best fixed tree of its rule are counted on a
+    pool of prompts (the bench's first) by greedy replay, and each tau equals the decoder's own over the same
+    prompts (EOS ignored); the timed speedup (the head-to-head's, else the sweep's) is carried to the pool's tau
+    over the tau of the prompts it was timed on; the report shows them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import resispec.benchmark.speed as speed
+    from resispec.analysis.headroom import token_windows
+    from resispec.benchmark.results import Method
+    from resispec.decoding import SpeculativeDecoder
+    from resispec.models import stdlib_splits
+    from tests.unit.test_decoding_helpers import single_thread
+
+    world, paths = micro_world
+    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
+    target = AutoModelForCausalLM.from_pretrained(paths.target_dir).eval()
+    draft = AutoModelForCausalLM.from_pretrained(paths.draft_dir).eval()
+    pool = [
+        w[: 10 + 3 * i] for i, w in enumerate(token_windows(tok, stdlib_splits(world)["test"], 6, 64, 16))
+    ]
+    tokens = 12
+
+    def decoded_tau(tree: list[int], prompts: list[list[int]]) -> float:
+        dec = SpeculativeDecoder(target, draft, rule="resispec", tree=tree)
+        steps = accepted = 0
+        for p in prompts:
+            out = dec.generate(torch.tensor([p]), max_new_tokens=tokens, temperature=0.0, eos_token_id=[])
+            steps, accepted = steps + out.stats.num_drafts, accepted + out.stats.num_accepted_tokens
+        return (steps + accepted) / steps
+
+    def row(tree: str, speedup: float, **stats) -> BenchRow:
+        return BenchRow("spec", 0.0, "d", "resispec", tree, speedup=speedup, stats=stats)
+
+    h2h = {"speedup": 1.5, "prompts": 2, "repeats": 2, "best_fixed": "[1,1,1]", "best_speedup": 1.6}
+    h2h.update(ratio=1.5 / 1.6, same_tree=False)
+    methods = [
+        Method(row("[1,1,1]", 1.7), None),  # the sweep's best fixed row of the rule
+        Method(row("[4,2]", 1.2), None),
+        Method(row("auto[2,1]", 1.4, plan={"tau": 2.0, "speedup": 1.45}, head_to_head=h2h), None),
+        Method(
+            row("auto[3]", 1.1, plan={"tau": 1.5, "speedup": 1.0}), None
+        ),  # no head-to-head: the sweep's figures
+    ]
+    with single_thread():
+        speed.check_plans_greedy(methods, pool[:3], pool[:3], target, {"d": draft}, tokens)
+        assert not any(
+            "greedy_pool" in m.row.stats for m in methods
+        )  # no prompt beyond the bench's: no check
+        speed.check_plans_greedy(methods, pool[:3], pool, target, {"d": draft}, tokens)
+        g, g3 = methods[2].row.stats["greedy_pool"], methods[3].row.stats["greedy_pool"]
+        assert (g["prompts"], g["timed_prompts"], g["timed_by"]) == (6, 2, "head-to-head")
+        assert (g3["timed_prompts"], g3["timed_by"]) == (3, "sweep")
+        assert g["tau"] == pytest.approx(decoded_tau([2, 1], pool))
+        assert g["tau_timed"] == pytest.approx(decoded_tau([2, 1], pool[:2]))
+        assert g["best_tau"] == pytest.approx(decoded_tau([1, 1, 1], pool))
+        assert g["best_tau_timed"] == pytest.approx(decoded_tau([1, 1, 1], pool[:2]))
+        assert g3["tau_timed"] == pytest.approx(decoded_tau([3], pool[:3]))
+    assert g["speedup"] == pytest.approx(1.5 * g["tau"] / g["tau_timed"])
+    assert g["best_fixed"] == "[1,1,1]" and g["best_speedup"] == pytest.approx(
+        1.6 * g["best_tau"] / g["best_tau_timed"]
+    )
+    assert g["ratio"] == pytest.approx(g["speedup"] / g["best_speedup"])
+    assert g3["speedup"] == pytest.approx(1.1 * g3["tau"] / g3["tau_timed"])
+    assert g3["best_speedup"] == pytest.approx(1.7 * g3["best_tau"] / decoded_tau([1, 1, 1], pool[:3]))
+    assert "greedy_pool" not in methods[0].row.stats  # fixed rows carry none of their own
+    md = write_report([m.row for m in methods], tmp_path, {})["md"].read_text()
+    assert "tree=auto at T = 0 on 6 test prompts" in md
+    line = next(x for x in md.splitlines() if x.startswith("| resispec auto[2,1] (d) |"))
+    assert f"| {1.45 / g['speedup'] - 1:+.1%} |" in line and line.endswith(f"| {g['ratio']:.3f} |")
+
+
 def test_sum_stats_adds_counters():
     a = DecodeStats(
         num_drafts=2, num_accepted_tokens=3, accepted_per_position=[2, 1], reached_per_position=[2, 1]

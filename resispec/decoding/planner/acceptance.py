@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from resispec.decoding.batch_ar import BatchedDecoder
 from resispec.sampling import is_greedy, probs
 from resispec.verify import VERIFIERS
 from resispec.verify.estimate import mean_acceptance
@@ -104,6 +105,38 @@ def teacher_forced_top(
         for row, (seq, start) in enumerate(zip(chunk, at_starts, strict=True)):
             out.append(logits[row, start - 1 - first : len(seq) - 1 - first].float().topk(k, dim=-1).indices)
     return out
+
+
+@torch.inference_mode()
+def greedy_continuations(
+    target: torch.nn.Module, prompts: Sequence[Sequence[int]], tokens: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt with the target's greedy continuation of `tokens` tokens, EOS ignored (what a decode of it at
+    temperature 0 emits, each token the target's argmax there: what the decoder verifies against), and those
+    tokens as tensors ([tokens] each). Decoded together by the batched AR decoder, whose greedy tokens are batch
+    1's (tested; a near-tie that a batch broke otherwise would only move the continuation greedy_tau counts on,
+    not make its count wrong)."""
+    rows = BatchedDecoder(target).generate(
+        [list(p) for p in prompts], dict(max_new_tokens=tokens, temperature=0.0, eos_token_id=[])
+    )
+    device = next(target.parameters()).device
+    seqs = [list(p) + g for p, g in zip(prompts, rows, strict=True)]
+    return seqs, [torch.tensor(g, device=device) for g in rows]
+
+
+def greedy_hit_sets(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    continuations: tuple[list[list[int]], list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """Each prompt's greedy_hits [MAX_DRAWS, len] along its greedy continuation (greedy_continuations' output),
+    from which greedy_tau counts any tree's tau as the decoder would: the target's greedy tokens against the
+    draft's top MAX_DRAWS, one batched teacher-forced draft forward per 8 prompts."""
+    seqs, best = continuations
+    vocab = min(target.config.vocab_size, draft.config.vocab_size)
+    top = teacher_forced_top(draft, seqs, [len(p) for p in prompts], MAX_DRAWS, vocab)
+    return [hits_of(b, t) for b, t in zip(best, top, strict=True)]
 
 
 def greedy_alpha(hit_sets: Sequence[torch.Tensor]) -> dict[int, float]:

@@ -9,16 +9,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from resispec.decoding.batch_ar import BatchedDecoder
 from resispec.decoding.engine import SpeculativeDecoder
 from resispec.decoding.planner.acceptance import (
-    MAX_DRAWS,
     calibrate_alpha,
     greedy_alpha,
+    greedy_continuations,
+    greedy_hit_sets,
     greedy_tau,
-    hits_of,
     node_logits,
-    teacher_forced_top,
 )
 from resispec.decoding.planner.cost import (
     BATCH_NODE_GRID,
@@ -58,8 +56,9 @@ class Planner:
     so with at least 3 x SETTLE_PROMPTS prompts the prediction's decodes come from 8 prompts that took no part in
     choosing the tree: prompts differ in how well the draft follows them, and a prediction from the prompts that
     chose the tree inherits their luck. At T = 0 every prompt counts tau (greedy_tau), which costs no decode: the
-    defaults pass 48, over which a greedy draft's tau ratio between two trees moves about 2%, against about 4%
-    over 12 (docs/decoder_speed.md)."""
+    defaults pass 96: a greedy draft's tau spreads by about a quarter of its mean from prompt to prompt (the tiny
+    world's distilled chain: 0.66 around 2.77), so 96 prompts leave its mean about 2.4% uncertain, 48 about 3.4%
+    (their first 48 counted 2.67, all 96 2.77), and a tree ratio moves less (docs/decoder_speed.md)."""
 
     def __init__(
         self, target: torch.nn.Module, prompts: Sequence[Sequence[int]], continuation_tokens: int = 32
@@ -113,33 +112,22 @@ class Planner:
 
     def _greedy_sequences(self) -> tuple[list[list[int]], list[torch.Tensor]]:
         """Every prompt (all of them, not only the calibration's) with the target's greedy continuation of
-        SETTLE_TOKENS tokens, EOS ignored (the tokens a settling decode of that prompt emits at temperature 0,
-        each the target's argmax there: what the decoder verifies against), and those tokens as a tensor
-        ([SETTLE_TOKENS] each). Once a planner: decoded together by the batched AR decoder, whose greedy tokens
-        are batch 1's (tested; a near-tie that a batch broke otherwise would only move the continuation greedy_tau
-        counts on, not make its count wrong). Target-only work, as the forward table: its seconds go to
-        greedy_s, not to the plan that asked first."""
+        SETTLE_TOKENS tokens (greedy_continuations: the tokens a settling decode of that prompt emits at
+        temperature 0). Once a planner. Target-only work, as the forward table: its seconds go to greedy_s, not to
+        the plan that asked first."""
         if self._greedy is None:
             t0 = time.perf_counter()
-            rows = BatchedDecoder(self.target).generate(
-                self.prompts, dict(max_new_tokens=SETTLE_TOKENS, temperature=0.0, eos_token_id=[])
-            )
-            device = next(self.target.parameters()).device
-            seqs = [p + g for p, g in zip(self.prompts, rows, strict=True)]
-            self._greedy = seqs, [torch.tensor(g, device=device) for g in rows]
+            self._greedy = greedy_continuations(self.target, self.prompts, SETTLE_TOKENS)
             self.greedy_s = time.perf_counter() - t0
         return self._greedy
 
     def _greedy_hit_sets(self, draft: torch.nn.Module) -> list[torch.Tensor]:
-        """Temperature 0: each prompt's greedy_hits [MAX_DRAWS, SETTLE_TOKENS] along its greedy continuation,
-        from which greedy_tau counts any tree's tau as the decoder would: the target's greedy tokens
-        (_greedy_sequences) against the draft's top MAX_DRAWS, one batched teacher-forced draft forward per 8
-        prompts. The last draft's are kept (a bench plans each draft for two rules in turn)."""
+        """Temperature 0: each prompt's greedy_hits along its greedy continuation (greedy_hit_sets), from which
+        greedy_tau counts any tree's tau as the decoder would. The last draft's are kept (a bench plans each draft
+        for two rules in turn)."""
         if self._hits is None or self._hits[0] is not draft:
-            seqs, best = self._greedy_sequences()
-            vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
-            top = teacher_forced_top(draft, seqs, [len(p) for p in self.prompts], MAX_DRAWS, vocab)
-            self._hits = draft, [hits_of(b, t) for b, t in zip(best, top, strict=True)]
+            hits = greedy_hit_sets(self.target, draft, self.prompts, self._greedy_sequences())
+            self._hits = draft, hits
         return self._hits[1]
 
     def choose(self, draft: torch.nn.Module, rule: str, sampling: dict, auto_policy=None) -> Plan:
