@@ -29,3 +29,12 @@ def micro_world(tmp_path_factory):
 
     world = micro_world_config(tmp_path_factory.mktemp("resispec_cache"))
     return world, ensure_world(world, progress=False)
+
+
+def micro_models(paths):
+    """(tokenizer, target, draft) of a built micro world (its WorldPaths), in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
+    target = AutoModelForCausalLM.from_pretrained(paths.target_dir).eval()
+    return tok, target, AutoModelForCausalLM.from_pretrained(paths.draft_dir).eval()

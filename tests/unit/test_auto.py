@@ -371,15 +371,12 @@ def test_auto_is_never_below_its_branches_on_random_pairs(scale: float) -> None:
 
 def test_auto_is_never_below_its_branches_on_the_micro_world(micro_world) -> None:
     """The same on real LM pairs: the micro world's target and draft at held-out positions, T = 1 and 0.6."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from resispec.analysis.headroom import collect_logits, node_pairs, token_windows
     from resispec.models import stdlib_splits
+    from tests.fixtures_world import micro_models
 
     world, paths = micro_world
-    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
-    target = AutoModelForCausalLM.from_pretrained(paths.target_dir).eval()
-    draft = AutoModelForCausalLM.from_pretrained(paths.draft_dir).eval()
+    tok, target, draft = micro_models(paths)
     wins = token_windows(tok, stdlib_splits(world)["test"], 8, 96, 16)
     with torch.no_grad():
         lt, ld = collect_logits(target, draft, wins, 20, 16, seed=0)

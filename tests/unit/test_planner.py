@@ -218,15 +218,12 @@ def test_greedy_tau_is_the_decoders_own_count(micro_world):
     alike, exactly the steps and accepted tokens the decoder's SETTLE_TOKENS-token decode of that prompt records
     (the settling decodes'; EOS ignored as there). On the micro world's trained pair (whose greedy text soon
     repeats one token, but whose draft hits it at some positions and not others)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from resispec.analysis.headroom import token_windows
     from resispec.models import stdlib_splits
+    from tests.fixtures_world import micro_models
 
     world, paths = micro_world
-    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
-    target = AutoModelForCausalLM.from_pretrained(paths.target_dir).eval()
-    draft = AutoModelForCausalLM.from_pretrained(paths.draft_dir).eval()
+    tok, target, draft = micro_models(paths)
     prompts = [
         w[: 12 + 3 * i] for i, w in enumerate(token_windows(tok, stdlib_splits(world)["test"], 4, 64, 16))
     ]

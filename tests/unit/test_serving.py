@@ -563,19 +563,16 @@ def test_plan_greedy_check_counts_the_plans_tau_on_more_prompts_and_carries_the_
     pool of prompts (the bench's first) by greedy replay, and each tau equals the decoder's own over the same
     prompts (EOS ignored); the timed speedup (the head-to-head's, else the sweep's) is carried to the pool's tau
     over the tau of the prompts it was timed on; the report shows them."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import resispec.benchmark.speed as speed
     from resispec.analysis.headroom import token_windows
     from resispec.benchmark.results import Method
     from resispec.decoding import SpeculativeDecoder
     from resispec.models import stdlib_splits
+    from tests.fixtures_world import micro_models
     from tests.unit.test_decoding_helpers import single_thread
 
     world, paths = micro_world
-    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
-    target = AutoModelForCausalLM.from_pretrained(paths.target_dir).eval()
-    draft = AutoModelForCausalLM.from_pretrained(paths.draft_dir).eval()
+    tok, target, draft = micro_models(paths)
     pool = [
         w[: 10 + 3 * i] for i, w in enumerate(token_windows(tok, stdlib_splits(world)["test"], 6, 64, 16))
     ]
