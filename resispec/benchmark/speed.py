@@ -522,6 +522,23 @@ def random_prompts(num_prompts: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(0, RANDOM_VOCAB, (num_prompts, RANDOM_PROMPT_LEN), generator=gen).tolist()
 
 
+def plan_prompts(
+    bench: BenchConfig, data, tokenizer, world, prompts: list[list[int]]
+) -> tuple[list[list[int]] | None, list[list[int]] | None]:
+    """(the planner's calibration prompts, check_plans_greedy's pool), None where unused: the planner calibrates on
+    validation prompts, never on the prompts it is measured on; the pool is the bench's `prompts`, then more of the
+    test split (bench.plan_check_prompts in all), for the T = 0 plans."""
+    if not bench.plan_rules or bench.random_pair or data is None or bench.plan_calibration_prompts <= 0:
+        return None, None
+    calibration = load_heldout_prompts(data, tokenizer, world, bench.plan_calibration_prompts, split="eval")
+    if bench.plan_check_prompts <= len(prompts) or not any(map(is_greedy, bench.temperatures)):
+        return calibration, None
+    more = load_heldout_prompts(data, tokenizer, world, bench.plan_check_prompts)
+    return calibration, prompts + [p for p in more if p not in prompts][
+        : bench.plan_check_prompts - len(prompts)
+    ]
+
+
 def run_bench(
     bench: BenchConfig,
     decode: DecodeConfig,
@@ -566,19 +583,7 @@ def run_bench(
             raise ValueError("run_bench needs prompts or a data config")
         prompts = load_heldout_prompts(data, tokenizer, world, bench.num_prompts * rounds)
     prompts = prompts[: bench.num_prompts * rounds]
-    calibration = None  # the planner calibrates on validation prompts, never on the prompts it is measured on
-    if bench.plan_rules and not bench.random_pair and data is not None and bench.plan_calibration_prompts > 0:
-        calibration = load_heldout_prompts(
-            data, tokenizer, world, bench.plan_calibration_prompts, split="eval"
-        )
-    pool = None  # check_plans_greedy's: the bench's prompts, then more of the test split
-    if (
-        calibration is not None
-        and bench.plan_check_prompts > len(prompts)
-        and any(map(is_greedy, bench.temperatures))
-    ):
-        more = load_heldout_prompts(data, tokenizer, world, bench.plan_check_prompts)
-        pool = prompts + [p for p in more if p not in prompts][: bench.plan_check_prompts - len(prompts)]
+    calibration, pool = plan_prompts(bench, data, tokenizer, world, prompts)
     rows = bench_pair(
         target,
         drafts,
