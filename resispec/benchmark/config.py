@@ -71,9 +71,10 @@ class BenchConfig:
     # identical decodes read within 5% in 10 of 10 trials at 12 prompts x 3 repeats, in 8 of 10 at 6 x 2
     # (bench/experiments/h2h_noise.py; docs/decoder_speed.md)
     plan_confirm_prompts: int = 0
-    # T = 0: each planned tree and the best fixed tree of its rule counted (greedy_tau, replayed: no decode) on this
-    # many test prompts, the bench's first (speed.check_plans_greedy): the timed speedups carried to their tau, so
-    # the plan, its prediction and the best fixed row compare beyond the few prompts timed; 0 = off
+    # each planned tree and the best fixed tree of its rule counted on this many test prompts, the bench's first
+    # (speed.check_plans_on_pool: T = 0 any tree by greedy replay, T > 0 chains by the product model), the timed
+    # speedups carried to their tau, so the plan, its prediction and the best fixed row compare beyond the few
+    # prompts timed; 0 = off
     plan_check_prompts: int = 0
     # also time the decoder on the HF forward (fast_forward=False) for every rule x tree, interleaved: the fast
     # forward's before/after in one run ("ref[...]" rows; the reference step itself is tests/oracle_decoder.py)

@@ -283,7 +283,7 @@ def plan_markdown(rows: list[BenchRow]) -> list[str]:
                 f"prompt, whose hits count tau): {greedy_s:.1f} s."
             )
         lines.append("")
-    return lines + head_to_head_markdown(rows) + greedy_pool_markdown(rows)
+    return lines + head_to_head_markdown(rows) + pool_markdown(rows)
 
 
 def best_fixed_of(rows: list[BenchRow], planned: BenchRow) -> BenchRow | None:
@@ -328,40 +328,47 @@ def head_to_head_markdown(rows: list[BenchRow]) -> list[str]:
     return lines + [""]
 
 
-def greedy_pool_markdown(rows: list[BenchRow]) -> list[str]:
-    """The T = 0 plans on many prompts (speed.check_plans_greedy: greedy tau replayed on the bench's prompts and
-    more of the test split, the timed speedups carried to it) as markdown lines; none where it did not run."""
-    planned = [r for r in rows if r.stats.get("greedy_pool") and r.stats.get("plan")]
+def pool_markdown(rows: list[BenchRow]) -> list[str]:
+    """The plans on many prompts (speed.check_plans_on_pool: the planned and best fixed trees' tau on the bench's
+    prompts and more of the test split, the timed speedups carried to it) as markdown lines; none where it did not
+    run."""
+    planned = [r for r in rows if r.stats.get("pool") and r.stats.get("plan")]
     if not planned:
         return []
-    g0 = planned[0].stats["greedy_pool"]
+    g0 = planned[0].stats["pool"]
+    n = g0["prompts"]
     lines = [
-        f"tree=auto at T = 0 on {g0['prompts']} test prompts: each planned tree and the best fixed tree of its rule "
-        f"counted on them (greedy tau, the decoder's own count replayed along the target's greedy continuations, EOS "
-        f"ignored: exact, no decode), against the {g0['timed_prompts']} prompts its speedup was timed on (the "
-        f"{g0['timed_by']}'s, the first of them); that speedup carried to the {g0['prompts']} prompts' tau "
-        "(x tau there / tau on the timed prompts: a decode of fixed length takes steps as 1 / tau). A few prompts' "
-        "tau is their luck: the greedy chain's spreads by about 0.6 a prompt on the tiny world. predicted / "
-        "carried: the planner's prediction (its tau counted on validation prompts) over the carried speedup.",
+        f"tree=auto on {n} test prompts: each planned tree and the best fixed tree of its rule counted on them, "
+        f"against the prompts its speedup was timed on (the head-to-head's, else the sweep's: the first of the "
+        f"{n}), and that speedup carried to the {n} prompts' tau (x tau there / tau on the timed prompts: a decode "
+        "of fixed length takes steps as 1 / tau). A few prompts' tau is their luck: the greedy chain's spreads by "
+        "about 0.6 a prompt on the tiny world. T = 0: tau counted exactly (the decoder's own count replayed along "
+        "the target's greedy continuations, EOS ignored; no decode). T > 0: a chain's tau by the product model (its "
+        "expectation: one draw a level), alpha averaged over each prompt's sampled continuation; a tree with a "
+        "multi-draw level is not carried (-). predicted / carried: the planner's prediction over the carried "
+        "speedup.",
         "",
-        "| row | tau, timed prompts | tau, all | speedup, carried | predicted / carried "
+        "| T | row | timed prompts | tau, timed prompts | tau, all | speedup, carried | predicted / carried "
         "| best fixed: tau, timed prompts | tau, all | speedup, carried | planned / best fixed, carried |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in planned:
-        g, pred = r.stats["greedy_pool"], r.stats["plan"].get("speedup")
-        miss = f"{pred / g['speedup'] - 1:+.1%}" if pred is not None else "-"
-        best = ["-"] * 4
-        if g.get("best_fixed") is not None:
+        g, pred = r.stats["pool"], r.stats["plan"].get("speedup")
+        mine = ["-"] * 4
+        if "speedup" in g:
+            miss = f"{pred / g['speedup'] - 1:+.1%}" if pred is not None else "-"
+            mine = [f"{g['tau_timed']:.2f}", f"{g['tau']:.2f}", f"{g['speedup']:.2f}", miss]
+        best = [g["best_fixed"] if g.get("best_fixed") else "-", "-", "-", "-"]
+        if "best_speedup" in g:
             best = [
                 f"{g['best_fixed']} {g['best_tau_timed']:.2f}",
                 f"{g['best_tau']:.2f}",
                 f"{g['best_speedup']:.2f}",
-                f"{g['ratio']:.3f}",
+                f"{g['ratio']:.3f}" if "ratio" in g else "-",
             ]
         lines.append(
-            f"| {r.label} | {g['tau_timed']:.2f} | {g['tau']:.2f} | {g['speedup']:.2f} | {miss} | "
-            + " | ".join(best)
+            f"| {r.temperature:g} | {r.label} | {g['timed_prompts']} ({g['timed_by']}) | "
+            + " | ".join(mine + best)
             + " |"
         )
     return lines + [""]

@@ -30,7 +30,17 @@ from resispec.benchmark.results import BenchRow, Method, sum_stats, tree_str
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import DecodeStats, SpeculativeDecoder
 from resispec.decoding.config import DecodeConfig
-from resispec.decoding.planner import CostModel, Planner, greedy_continuations, greedy_hit_sets, greedy_tau
+from resispec.decoding.planner import (
+    CostModel,
+    Planner,
+    calibrate_alpha,
+    expected_tau,
+    greedy_continuations,
+    greedy_hit_sets,
+    greedy_tau,
+    node_logits,
+    sampled_continuations,
+)
 from resispec.models import load_pair
 from resispec.models.config import ModelConfig
 from resispec.models.head import is_head
@@ -302,50 +312,109 @@ def planned_tree(row: BenchRow) -> list[int]:
     return [int(b) for b in row.tree.removeprefix("auto").strip("[]").split(",")]
 
 
-def _carried(tree: list[int], speedup: float, hit_sets: list[torch.Tensor], timed: int) -> dict:
-    """`tree`'s greedy tau over every prompt of `hit_sets` and over the first `timed` (those its `speedup` was timed
-    on), and that speedup carried to the former."""
-    tau, tau_timed = greedy_tau(tree, hit_sets), greedy_tau(tree, hit_sets[:timed])
+# check_plans_on_pool at T > 0: the tokens of each pool prompt's sampled continuation that calibrate alpha (the
+# planner's continuation_tokens) and their seeds
+POOL_SAMPLED_TOKENS, POOL_SEED = 32, 30_000
+
+
+def _carried(tree: list[int], speedup: float, tau_of, timed: int) -> dict | None:
+    """`tree`'s tau over every pool prompt and over the first `timed` (those its `speedup` was timed on), `tau_of(tree,
+    prompts)` (None: not counted), and that speedup carried to the former."""
+    tau, tau_timed = tau_of(tree, None), tau_of(tree, timed)
+    if tau is None or tau_timed is None:
+        return None
     return {"tau": tau, "tau_timed": tau_timed, "speedup": speedup * tau / tau_timed}
 
 
-def check_plans_greedy(
+def _pool_tau_of(target, draft, rule, pool, settings: dict, continuations, logits: list | None = None):
+    """tau_of(tree, k) over the first k pool prompts (None: all) for _carried. T = 0: greedy_tau, the decoder's own
+    count (`continuations`: greedy_continuations'), any tree. T > 0: the product model of a chain (its expectation:
+    one draw a level) with alpha(1) of `rule` averaged over those prompts' sampled continuations (`continuations`:
+    sampled_continuations'; `logits`: their node_logits, one (target, draft) pair a prompt), as the planner
+    calibrates it; a tree with a multi-draw level gets None."""
+    if is_greedy(settings["temperature"]):
+        hits = greedy_hit_sets(target, draft, pool, continuations)
+        return lambda tree, k: greedy_tau(tree, hits[:k])
+    alphas = [
+        calibrate_alpha(target, draft, [seq], rule, settings, start=len(p), max_draws=1, logits=lg)[1]
+        for p, seq, lg in zip(pool, continuations, logits or [None] * len(pool), strict=True)
+    ]
+
+    def tau_of(tree: list[int], k: int | None) -> float | None:
+        some = alphas[:k]
+        return expected_tau(tree, {1: sum(some) / len(some)}) if set(tree) == {1} else None
+
+    return tau_of
+
+
+def _pool_counters(
+    target, drafts: dict[str, Any], rows: list[BenchRow], pool, sampling: dict, auto_policy
+) -> dict:
+    """(draft label, rule) -> _pool_tau_of's tau_of, for each planned row in `rows`; the continuations once for
+    all, at T > 0 each draft's node logits once for every rule."""
+    settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p")}
+    greedy = is_greedy(settings["temperature"])
+    if greedy:
+        continuations = greedy_continuations(target, pool, sampling["max_new_tokens"])
+    else:
+        continuations = sampled_continuations(target, pool, POOL_SAMPLED_TOKENS, settings, POOL_SEED)
+    counters: dict[tuple[str, str], Any] = {}
+    logits: dict[str, list | None] = {}
+    for r in rows:
+        if (r.draft, r.rule) in counters:
+            continue
+        draft = drafts[r.draft]
+        if r.draft not in logits:
+            seqs = zip(pool, continuations, strict=True)
+            logits[r.draft] = None if greedy else [node_logits(target, draft, [q], len(p)) for p, q in seqs]
+        rule = build_rule(r.rule, auto_policy)
+        counters[r.draft, r.rule] = _pool_tau_of(
+            target, draft, rule, pool, settings, continuations, logits[r.draft]
+        )
+    return counters
+
+
+def check_plans_on_pool(
     methods: list[Method],
     prompts: list[list[int]],
     pool: list[list[int]],
     target,
     drafts: dict[str, Any],
-    max_new_tokens: int,
+    sampling: dict,
+    auto_policy=None,
 ) -> None:
-    """Temperature 0, after confirm_plans (bench.plan_check_prompts > 0): each planned row's tree and the best fixed
-    row of its rule counted on `pool` (the bench's prompts first, then more test prompts) by greedy_tau, the
-    decoder's own tau along the target's greedy continuations (EOS ignored), replayed instead of decoded: cheap and
-    exact. A speedup's prompts sample a wide spread (the tiny world's greedy chain tau: 0.6 a prompt around 2.8) and
-    the bench times few; here each timed speedup (the head-to-head's, else the sweep's) is carried to the pool's
-    tau (speedup x pool tau / its own prompts' tau: a decode of a fixed length takes steps as 1 / tau), so the plan,
-    its prediction and the best fixed row compare on many prompts. Each planned row of a causal-LM draft gets
-    stats["greedy_pool"]."""
+    """After confirm_plans (bench.plan_check_prompts > 0): each planned row's tree and the best fixed row of its rule
+    counted on `pool` (the bench's prompts first, then more test prompts), and each timed speedup (the
+    head-to-head's, else the sweep's) carried to the pool's tau: speedup x pool tau / its own prompts' tau (a decode
+    of fixed length takes steps as 1 / tau). A speedup's prompts sample a wide spread (the tiny world's greedy chain
+    tau: 0.6 a prompt around 2.8) and the bench times few, so the plan, its prediction and the best fixed row
+    compare here on many. T = 0: every tree, by greedy replay (exact: the decoder's own count, EOS ignored; no
+    decode). T > 0: chains, by the product model (_pool_tau_of); a tree with a multi-draw level is not carried.
+    Each planned row of a causal-LM draft gets stats["pool"]."""
     planned = [m for m in methods if m.row.stats.get("plan") and not is_head(drafts[m.row.draft])]
     if not planned or len(pool) <= len(prompts):
         return
-    continuations = greedy_continuations(target, pool, max_new_tokens)
-    hits: dict[str, list[torch.Tensor]] = {}
+    counters = _pool_counters(target, drafts, [m.row for m in planned], pool, sampling, auto_policy)
     rows = [m.row for m in methods]
     for m in planned:
         r = m.row
-        if r.draft not in hits:
-            hits[r.draft] = greedy_hit_sets(target, drafts[r.draft], pool, continuations)
+        tau_of = counters[r.draft, r.rule]
         h2h = r.stats.get("head_to_head")
         timed = h2h["prompts"] if h2h else len(prompts)  # the first prompts, in both
         speedup = h2h["speedup"] if h2h else r.speedup
         out = {"prompts": len(pool), "timed_prompts": timed, "timed_by": "head-to-head" if h2h else "sweep"}
-        out.update(_carried(planned_tree(r), speedup, hits[r.draft], timed))
-        if (b := best_fixed_of(rows, r)) is not None:
+        out.update(_carried(planned_tree(r), speedup, tau_of, timed) or {})
+        b = best_fixed_of(rows, r)
+        best = None
+        if b is not None:
             b_speedup = h2h.get("best_speedup", speedup) if h2h else b.speedup
-            best = _carried(planned_tree(b), b_speedup, hits[r.draft], timed)
-            out.update(best_fixed=b.tree, **{f"best_{k}": v for k, v in best.items()})
-            out["ratio"] = out["speedup"] / best["speedup"]
-        r.stats["greedy_pool"] = out
+            best = _carried(planned_tree(b), b_speedup, tau_of, timed)
+            out["best_fixed"] = b.tree
+        if best is not None:
+            out.update({f"best_{k}": v for k, v in best.items()})
+            if "speedup" in out:
+                out["ratio"] = out["speedup"] / best["speedup"]
+        r.stats["pool"] = out
 
 
 def fill_rows(
@@ -399,7 +468,7 @@ def bench_pair(
 ) -> list[BenchRow]:
     """Measure AR, every (draft, rule, tree), the planned trees and HF assisted generation on `prompts` at each
     temperature. `calibration`: prompts for the planner (default: the bench prompts themselves). `pool`: `prompts`
-    then more test prompts, on which check_plans_greedy counts the T = 0 plans' tau (None: no check).
+    then more test prompts, on which check_plans_on_pool counts the plans' tau (None: no check).
 
     Methods are interleaved per prompt (prompt 1: every method, prompt 2: every method, ...), so a slow phase of
     a shared machine hits all methods alike and the speedups stay comparable."""
@@ -427,9 +496,9 @@ def bench_pair(
         time_methods(methods, prompts, bench, temperature, device, bar)
         rows += fill_rows(methods, len(prompts), drafts, plan)
         confirm_plans(methods, prompts, bench, temperature, device, bar)
-        if pool and is_greedy(temperature):
-            bar.set_postfix_str(f"T={temperature:g} plans' greedy tau on {len(pool)} prompts")
-            check_plans_greedy(methods, prompts, pool, target, drafts, bench.max_new_tokens)
+        if pool:
+            bar.set_postfix_str(f"T={temperature:g} the plans' tau on {len(pool)} prompts")
+            check_plans_on_pool(methods, prompts, pool, target, drafts, sampling, decode.auto_policy)
         if bench.vllm:
             vllm_peer.finish(methods, bench)
     if bar is not None:
@@ -525,13 +594,13 @@ def random_prompts(num_prompts: int, seed: int = 0) -> list[list[int]]:
 def plan_prompts(
     bench: BenchConfig, data, tokenizer, world, prompts: list[list[int]]
 ) -> tuple[list[list[int]] | None, list[list[int]] | None]:
-    """(the planner's calibration prompts, check_plans_greedy's pool), None where unused: the planner calibrates on
+    """(the planner's calibration prompts, check_plans_on_pool's pool), None where unused: the planner calibrates on
     validation prompts, never on the prompts it is measured on; the pool is the bench's `prompts`, then more of the
-    test split (bench.plan_check_prompts in all), for the T = 0 plans."""
+    test split (bench.plan_check_prompts in all)."""
     if not bench.plan_rules or bench.random_pair or data is None or bench.plan_calibration_prompts <= 0:
         return None, None
     calibration = load_heldout_prompts(data, tokenizer, world, bench.plan_calibration_prompts, split="eval")
-    if bench.plan_check_prompts <= len(prompts) or not any(map(is_greedy, bench.temperatures)):
+    if bench.plan_check_prompts <= len(prompts):
         return calibration, None
     more = load_heldout_prompts(data, tokenizer, world, bench.plan_check_prompts)
     return calibration, prompts + [p for p in more if p not in prompts][

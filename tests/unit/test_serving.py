@@ -556,17 +556,19 @@ def test_plan_head_to_head_re_times_the_sweeps_pick_beside_the_plan_and_keeps_ea
     assert methods[4].row.stats["head_to_head"]["prompts"] == 3
 
 
-def test_plan_greedy_check_counts_the_plans_tau_on_more_prompts_and_carries_the_timed_speedups(
+def test_plan_pool_check_counts_the_plans_tau_on_more_prompts_and_carries_the_timed_speedups(
     micro_world, tmp_path
 ):
-    """bench.plan_check_prompts: at T = 0, each planned tree and the best fixed tree of its rule are counted on a
-    pool of prompts (the bench's first) by greedy replay, and each tau equals the decoder's own over the same
-    prompts (EOS ignored); the timed speedup (the head-to-head's, else the sweep's) is carried to the pool's tau
-    over the tau of the prompts it was timed on; the report shows them."""
+    """bench.plan_check_prompts: each planned tree and the best fixed tree of its rule are counted on a pool of
+    prompts (the bench's first), and the timed speedup (the head-to-head's, else the sweep's) is carried to the
+    pool's tau over the tau of the prompts it was timed on. T = 0: every tree, each tau equal to the decoder's own
+    over the same prompts (EOS ignored). T = 1: chains only, the product model with alpha(1) = sum min(p, q) (one
+    draw of an exact rule) averaged over each prompt's sampled continuation. The report shows them."""
     import resispec.benchmark.speed as speed
     from resispec.analysis.headroom import token_windows
     from resispec.benchmark.results import Method
     from resispec.decoding import SpeculativeDecoder
+    from resispec.decoding.planner import expected_tau
     from resispec.models import stdlib_splits
     from tests.fixtures_world import micro_models
     from tests.unit.test_decoding_helpers import single_thread
@@ -586,26 +588,25 @@ def test_plan_greedy_check_counts_the_plans_tau_on_more_prompts_and_carries_the_
             steps, accepted = steps + out.stats.num_drafts, accepted + out.stats.num_accepted_tokens
         return (steps + accepted) / steps
 
-    def row(tree: str, speedup: float, **stats) -> BenchRow:
-        return BenchRow("spec", 0.0, "d", "resispec", tree, speedup=speedup, stats=stats)
+    def row(t: float, tree: str, speedup: float, **stats) -> BenchRow:
+        return BenchRow("spec", t, "d", "resispec", tree, speedup=speedup, stats=stats)
 
     h2h = {"speedup": 1.5, "prompts": 2, "repeats": 2, "best_fixed": "[1,1,1]", "best_speedup": 1.6}
     h2h.update(ratio=1.5 / 1.6, same_tree=False)
     methods = [
-        Method(row("[1,1,1]", 1.7), None),  # the sweep's best fixed row of the rule
-        Method(row("[4,2]", 1.2), None),
-        Method(row("auto[2,1]", 1.4, plan={"tau": 2.0, "speedup": 1.45}, head_to_head=h2h), None),
+        Method(row(0.0, "[1,1,1]", 1.7), None),  # the sweep's best fixed row of the rule
+        Method(row(0.0, "[4,2]", 1.2), None),
+        Method(row(0.0, "auto[2,1]", 1.4, plan={"tau": 2.0, "speedup": 1.45}, head_to_head=h2h), None),
         Method(
-            row("auto[3]", 1.1, plan={"tau": 1.5, "speedup": 1.0}), None
-        ),  # no head-to-head: the sweep's figures
+            row(0.0, "auto[3]", 1.1, plan={"tau": 1.5, "speedup": 1.0}), None
+        ),  # no head-to-head: the sweep's
     ]
+    greedy = dict(temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=tokens)
     with single_thread():
-        speed.check_plans_greedy(methods, pool[:3], pool[:3], target, {"d": draft}, tokens)
-        assert not any(
-            "greedy_pool" in m.row.stats for m in methods
-        )  # no prompt beyond the bench's: no check
-        speed.check_plans_greedy(methods, pool[:3], pool, target, {"d": draft}, tokens)
-        g, g3 = methods[2].row.stats["greedy_pool"], methods[3].row.stats["greedy_pool"]
+        speed.check_plans_on_pool(methods, pool[:3], pool[:3], target, {"d": draft}, greedy)
+        assert not any("pool" in m.row.stats for m in methods)  # no prompt beyond the bench's: no check
+        speed.check_plans_on_pool(methods, pool[:3], pool, target, {"d": draft}, greedy)
+        g, g3 = methods[2].row.stats["pool"], methods[3].row.stats["pool"]
         assert (g["prompts"], g["timed_prompts"], g["timed_by"]) == (6, 2, "head-to-head")
         assert (g3["timed_prompts"], g3["timed_by"]) == (3, "sweep")
         assert g["tau"] == pytest.approx(decoded_tau([2, 1], pool))
@@ -614,17 +615,56 @@ def test_plan_greedy_check_counts_the_plans_tau_on_more_prompts_and_carries_the_
         assert g["best_tau_timed"] == pytest.approx(decoded_tau([1, 1, 1], pool[:2]))
         assert g3["tau_timed"] == pytest.approx(decoded_tau([3], pool[:3]))
     assert g["speedup"] == pytest.approx(1.5 * g["tau"] / g["tau_timed"])
-    assert g["best_fixed"] == "[1,1,1]" and g["best_speedup"] == pytest.approx(
-        1.6 * g["best_tau"] / g["best_tau_timed"]
-    )
+    assert g["best_fixed"] == "[1,1,1]"
+    assert g["best_speedup"] == pytest.approx(1.6 * g["best_tau"] / g["best_tau_timed"])
     assert g["ratio"] == pytest.approx(g["speedup"] / g["best_speedup"])
     assert g3["speedup"] == pytest.approx(1.1 * g3["tau"] / g3["tau_timed"])
     assert g3["best_speedup"] == pytest.approx(1.7 * g3["best_tau"] / decoded_tau([1, 1, 1], pool[:3]))
-    assert "greedy_pool" not in methods[0].row.stats  # fixed rows carry none of their own
-    md = write_report([m.row for m in methods], tmp_path, {})["md"].read_text()
-    assert "tree=auto at T = 0 on 6 test prompts" in md
-    line = next(x for x in md.splitlines() if x.startswith("| resispec auto[2,1] (d) |"))
+    assert "pool" not in methods[0].row.stats  # fixed rows carry none of their own
+
+    # T = 1: a planned chain against a fixed chain, a planned tree whose own tau the model does not carry
+    sampled = [
+        Method(row(1.0, "[1,1,1]", 1.6), None),
+        Method(row(1.0, "auto[1,1]", 1.3, plan={"tau": 1.8, "speedup": 1.35}, head_to_head=h2h), None),
+        Method(row(1.0, "auto[2,1]", 1.2, plan={"tau": 1.9, "speedup": 1.25}), None),
+    ]
+    settings = dict(temperature=1.0, top_k=0, top_p=1.0)
+    with single_thread(), torch.inference_mode():
+        speed.check_plans_on_pool(
+            sampled, pool[:3], pool, target, {"d": draft}, dict(settings, max_new_tokens=8)
+        )
+        seqs = speed.sampled_continuations(target, pool, speed.POOL_SAMPLED_TOKENS, settings, speed.POOL_SEED)
+        alphas = []
+        for p, seq in zip(pool, seqs, strict=True):
+            assert seq[: len(p)] == p and len(seq) == len(p) + speed.POOL_SAMPLED_TOKENS
+            ids = torch.tensor([seq])
+            pt, qt = (
+                torch.softmax(m(input_ids=ids).logits[0, len(p) - 1 : -1].double(), -1)
+                for m in (target, draft)
+            )
+            alphas.append(float(torch.minimum(pt, qt).sum(-1).mean()))
+
+    def model_tau(tree: list[int], k: int) -> float:
+        return expected_tau(tree, {1: sum(alphas[:k]) / k})
+
+    s1, s2 = sampled[1].row.stats["pool"], sampled[2].row.stats["pool"]
+    assert s1["tau"] == pytest.approx(model_tau([1, 1], 6)) and s1["tau_timed"] == pytest.approx(
+        model_tau([1, 1], 2)
+    )
+    assert s1["best_tau"] == pytest.approx(model_tau([1, 1, 1], 6))
+    assert s1["speedup"] == pytest.approx(1.5 * s1["tau"] / s1["tau_timed"])
+    assert s1["ratio"] == pytest.approx(s1["speedup"] / s1["best_speedup"])
+    assert 0.05 < min(alphas) and max(alphas) < 0.95 and s1["tau"] != s1["tau_timed"]  # prompts that differ
+    assert "speedup" not in s2 and "ratio" not in s2  # [2,1]: not carried at T > 0
+    assert s2["best_tau_timed"] == pytest.approx(model_tau([1, 1, 1], 3))  # the sweep's 3 prompts
+    md = write_report([m.row for m in methods + sampled], tmp_path, {})["md"].read_text()
+    assert "tree=auto on 6 test prompts" in md
+    line = next(
+        x for x in md.splitlines() if x.startswith("| 0 | resispec auto[2,1] (d) | 2 (head-to-head) |")
+    )
     assert f"| {1.45 / g['speedup'] - 1:+.1%} |" in line and line.endswith(f"| {g['ratio']:.3f} |")
+    line = next(x for x in md.splitlines() if x.startswith("| 1 | resispec auto[2,1] (d) | 3 (sweep) |"))
+    assert "| 3 (sweep) | - | - | - | - | [1,1,1] " in line and line.endswith("| - |")
 
 
 def test_sum_stats_adds_counters():

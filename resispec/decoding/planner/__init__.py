@@ -53,6 +53,7 @@ from resispec.decoding.planner.acceptance import (
     greedy_walk,
     hits_of,
     node_logits,
+    sampled_continuations,
     teacher_forced_top,
 )
 from resispec.decoding.planner.core import Planner
@@ -145,6 +146,7 @@ __all__ = [
     "measure_verify_row_ms",
     "monotone",
     "node_logits",
+    "sampled_continuations",
     "pick_measured",
     "plan_tree",
     "rank_trees",

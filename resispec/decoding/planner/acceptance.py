@@ -124,6 +124,29 @@ def greedy_continuations(
     return seqs, [torch.tensor(g, device=device) for g in rows]
 
 
+@torch.inference_mode()
+def sampled_continuations(
+    target: torch.nn.Module, prompts: Sequence[Sequence[int]], tokens: int, settings: dict, seed: int
+) -> list[list[int]]:
+    """Each prompt with a continuation of `tokens` tokens sampled from the target under `settings` (temperature,
+    top_k, top_p), EOS ignored, row i seeded `seed` + i: all decoded together by the batched AR decoder (the
+    sequences calibrate_alpha scores, as the planner's own, there one prompt at a time)."""
+    device = next(target.parameters()).device
+    rows = BatchedDecoder(target).generate(
+        [list(p) for p in prompts],
+        [
+            dict(
+                settings,
+                max_new_tokens=tokens,
+                eos_token_id=[],
+                generator=torch.Generator(device=device).manual_seed(seed + i),
+            )
+            for i in range(len(prompts))
+        ],
+    )
+    return [list(p) + g for p, g in zip(prompts, rows, strict=True)]
+
+
 def greedy_hit_sets(
     target: torch.nn.Module,
     draft: torch.nn.Module,
