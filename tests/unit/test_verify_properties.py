@@ -505,9 +505,7 @@ def test_registry_and_protocol():
 def test_cuda_matches_contract(name):
     """Same code on CUDA: exact on one pair (TV bound) with a CUDA generator."""
     p1, q1 = random_pairs(1, 1000, seed=6, dtype=torch.float32)
-    p1 = (
-        one_hot_argmax(p1) if VERIFIERS[name].greedy_only else p1
-    )  # `greedy` is exact for one-hot targets only
+    p1 = one_hot_argmax(p1) if VERIFIERS[name].greedy_only else p1  # `greedy` is exact for one-hot targets only
     num = 50_000
     p = p1.cuda().expand(num, -1).contiguous()
     q = q1.cuda().expand(num, -1).contiguous()
