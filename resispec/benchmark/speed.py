@@ -326,18 +326,17 @@ def _carried(tree: list[int], speedup: float, tau_of, timed: int) -> dict | None
     return {"tau": tau, "tau_timed": tau_timed, "speedup": speedup * tau / tau_timed}
 
 
-def _pool_tau_of(target, draft, rule, pool, settings: dict, continuations, logits: list | None = None):
+def _pool_tau_of(target, draft, rule, pool, settings: dict, continuations, per_draft: list):
     """tau_of(tree, k) over the first k pool prompts (None: all) for _carried. T = 0: greedy_tau, the decoder's own
-    count (`continuations`: greedy_continuations'), any tree. T > 0: the product model of a chain (its expectation:
-    one draw a level) with alpha(1) of `rule` averaged over those prompts' sampled continuations (`continuations`:
-    sampled_continuations'; `logits`: their node_logits, one (target, draft) pair a prompt), as the planner
-    calibrates it; a tree with a multi-draw level gets None."""
+    count, any tree (`per_draft`: the draft's greedy_hit_sets along greedy_continuations'). T > 0: the product
+    model of a chain (its expectation: one draw a level) with alpha(1) of `rule` averaged over those prompts'
+    sampled continuations (`continuations`: sampled_continuations'; `per_draft`: their node_logits, one (target,
+    draft) pair a prompt), as the planner calibrates it; a tree with a multi-draw level gets None."""
     if is_greedy(settings["temperature"]):
-        hits = greedy_hit_sets(target, draft, pool, continuations)
-        return lambda tree, k: greedy_tau(tree, hits[:k])
+        return lambda tree, k: greedy_tau(tree, per_draft[:k])
     alphas = [
         calibrate_alpha(target, draft, [seq], rule, settings, start=len(p), max_draws=1, logits=lg)[1]
-        for p, seq, lg in zip(pool, continuations, logits or [None] * len(pool), strict=True)
+        for p, seq, lg in zip(pool, continuations, per_draft, strict=True)
     ]
 
     def tau_of(tree: list[int], k: int | None) -> float | None:
@@ -350,8 +349,8 @@ def _pool_tau_of(target, draft, rule, pool, settings: dict, continuations, logit
 def _pool_counters(
     target, drafts: dict[str, Any], rows: list[BenchRow], pool, sampling: dict, auto_policy
 ) -> dict:
-    """(draft label, rule) -> _pool_tau_of's tau_of, for each planned row in `rows`; the continuations once for
-    all, at T > 0 each draft's node logits once for every rule."""
+    """(draft label, rule) -> _pool_tau_of's tau_of, for each planned row in `rows`: the continuations once for
+    all, each draft's forwards over them (T = 0 its greedy hit sets, T > 0 its node logits) once for every rule."""
     settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p")}
     greedy = is_greedy(settings["temperature"])
     if greedy:
@@ -359,17 +358,21 @@ def _pool_counters(
     else:
         continuations = sampled_continuations(target, pool, POOL_SAMPLED_TOKENS, settings, POOL_SEED)
     counters: dict[tuple[str, str], Any] = {}
-    logits: dict[str, list | None] = {}
+    per_draft: dict[str, list] = {}
     for r in rows:
         if (r.draft, r.rule) in counters:
             continue
         draft = drafts[r.draft]
-        if r.draft not in logits:
+        if r.draft not in per_draft:
             seqs = zip(pool, continuations, strict=True)
-            logits[r.draft] = None if greedy else [node_logits(target, draft, [q], len(p)) for p, q in seqs]
+            per_draft[r.draft] = (
+                greedy_hit_sets(target, draft, pool, continuations)
+                if greedy
+                else [node_logits(target, draft, [q], len(p)) for p, q in seqs]
+            )
         rule = build_rule(r.rule, auto_policy)
         counters[r.draft, r.rule] = _pool_tau_of(
-            target, draft, rule, pool, settings, continuations, logits[r.draft]
+            target, draft, rule, pool, settings, continuations, per_draft[r.draft]
         )
     return counters
 
