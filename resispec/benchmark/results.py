@@ -59,6 +59,11 @@ def tree_str(tree: list[int]) -> str:
     return "[" + ",".join(str(b) for b in tree) + "]"
 
 
+def tree_of(row_tree: str) -> list[int]:
+    """tree_str's inverse for a fixed or planned row's tree ("[1,1,1,1]" or "auto[2,1,1]")."""
+    return [int(b) for b in row_tree.removeprefix("auto").strip("[]").split(",")]
+
+
 def sum_stats(stats_list: list) -> Any:
     """Sum DecodeStats counters over prompts (list fields element-wise); properties then give tau, c, ..."""
 

@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from resispec.benchmark import vllm_peer
 from resispec.benchmark.config import BenchConfig
 from resispec.benchmark.report import best_fixed_of, best_lines, log_wandb, print_table, write_report
-from resispec.benchmark.results import BenchRow, Method, sum_stats, tree_str
+from resispec.benchmark.results import BenchRow, Method, sum_stats, tree_of, tree_str
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import DecodeStats, SpeculativeDecoder
 from resispec.decoding.config import DecodeConfig
@@ -307,11 +307,6 @@ def confirm_plans(
         m.row.stats["head_to_head"] = h
 
 
-def planned_tree(row: BenchRow) -> list[int]:
-    """A planned or fixed row's tree as a list ("auto[2,1,1]" or "[1,1,1,1]")."""
-    return [int(b) for b in row.tree.removeprefix("auto").strip("[]").split(",")]
-
-
 # check_plans_on_pool at T > 0: the tokens of each pool prompt's sampled continuation that calibrate alpha (the
 # planner's continuation_tokens) and their seeds
 POOL_SAMPLED_TOKENS, POOL_SEED = 32, 30_000
@@ -406,12 +401,12 @@ def check_plans_on_pool(
         timed = h2h["prompts"] if h2h else len(prompts)  # the first prompts, in both
         speedup = h2h["speedup"] if h2h else r.speedup
         out = {"prompts": len(pool), "timed_prompts": timed, "timed_by": "head-to-head" if h2h else "sweep"}
-        out.update(_carried(planned_tree(r), speedup, tau_of, timed) or {})
+        out.update(_carried(tree_of(r.tree), speedup, tau_of, timed) or {})
         b = best_fixed_of(rows, r)
         best = None
         if b is not None:
             b_speedup = h2h.get("best_speedup", speedup) if h2h else b.speedup
-            best = _carried(planned_tree(b), b_speedup, tau_of, timed)
+            best = _carried(tree_of(b.tree), b_speedup, tau_of, timed)
             out["best_fixed"] = b.tree
         if best is not None:
             out.update({f"best_{k}": v for k, v in best.items()})
