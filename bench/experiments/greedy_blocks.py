@@ -5,10 +5,10 @@ python bench/experiments/greedy_blocks.py --draft <run>/distill/draft [--prompts
 
 At temperature 0 a tree's tau on a prompt needs no decode: greedy_tau replays the decoder's own count along the
 target's greedy continuation (48 tokens, EOS ignored), as the planner and the bench's T = 0 check
-(speed.check_plans_greedy) count it. For each split (test: the bench's prompts first; eval: the planner's) and
+(speed.check_plans_on_pool) count it. For each split (test: the bench's prompts first; eval: the planner's) and
 tree: tau over the first `--block` prompts (the bench times 12 test prompts), over the first 48, over all
 `--prompts`, the standard deviation of a prompt's tau, and tau over each block of `--block`. Prints a markdown
-table; the evidence it gave: docs/decoder_speed.md ("The T = 0 check on 96 test prompts").
+table; the evidence it gave: docs/decoder_speed.md ("The plans on 96 test prompts").
 """
 
 from __future__ import annotations
