@@ -130,7 +130,7 @@ def sampled_continuations(
 ) -> list[list[int]]:
     """Each prompt with a continuation of `tokens` tokens sampled from the target under `settings` (temperature,
     top_k, top_p), EOS ignored, row i seeded `seed` + i: all decoded together by the batched AR decoder (the
-    sequences calibrate_alpha scores, as the planner's own, there one prompt at a time)."""
+    sequences calibrate_alpha scores: the planner's calibration and the bench's check of its plans)."""
     device = next(target.parameters()).device
     rows = BatchedDecoder(target).generate(
         [list(p) for p in prompts],

@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from resispec.decoding.engine import SpeculativeDecoder
 from resispec.decoding.planner.acceptance import (
     calibrate_alpha,
     greedy_alpha,
@@ -17,6 +16,7 @@ from resispec.decoding.planner.acceptance import (
     greedy_hit_sets,
     greedy_tau,
     node_logits,
+    sampled_continuations,
 )
 from resispec.decoding.planner.cost import (
     BATCH_NODE_GRID,
@@ -44,6 +44,9 @@ from resispec.decoding.tree import max_tree_nodes
 from resispec.models.head import is_head
 from resispec.sampling import is_greedy, probs
 from resispec.verify import build_rule
+
+# the calibration continuations' seeds at T > 0: prompt i draws from CONTINUATION_SEED + i
+CONTINUATION_SEED = 10_000
 
 
 class Planner:
@@ -95,19 +98,13 @@ class Planner:
         return {label: self.cost_for(d) for label, d in drafts.items()}
 
     def _sequences(self, settings: dict) -> list[list[int]]:
+        """The calibration prompts, each with the target's continuation sampled under `settings` (EOS ignored,
+        prompt i seeded CONTINUATION_SEED + i): the positions alpha is calibrated on. Once per setting."""
         key = tuple(sorted(settings.items()))
         if key not in self._continuations:
-            dec = SpeculativeDecoder(self.target, self.target, rule="chain", tree=[1])
-            device = next(self.target.parameters()).device
-            seqs = []
-            for i, p in enumerate(self.calibration):
-                ids = torch.tensor([p], device=device)
-                gen = torch.Generator(device=device).manual_seed(10_000 + i)
-                out = dec.generate_autoregressive(
-                    ids, generator=gen, max_new_tokens=self.continuation_tokens, **settings
-                )
-                seqs.append(out.sequences[0].tolist())
-            self._continuations[key] = seqs
+            self._continuations[key] = sampled_continuations(
+                self.target, self.calibration, self.continuation_tokens, settings, CONTINUATION_SEED
+            )
         return self._continuations[key]
 
     def _greedy_sequences(self) -> tuple[list[list[int]], list[torch.Tensor]]:
