@@ -11,6 +11,8 @@ class BenchConfig:
     warmup: int = 1  # warm-up generations per method before timing (never timed)
     max_new_tokens: int = 64
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    # the rules timed per draft and tree; at temperature 0, where every rule is argmax matching over the draft's
+    # top-b, one row a tree with rule "greedy" (speed.rules_at; plan_rules alike)
     rules: list[str] = field(
         default_factory=lambda: [
             "chain",

@@ -1,4 +1,5 @@
-"""The end-to-end benchmark: AR vs each rule x tree shape (per draft), and HF assisted generation, same prompts.
+"""The end-to-end benchmark: AR vs each rule x tree shape (per draft; at temperature 0, where every rule is argmax
+matching, each tree once: rules_at), and HF assisted generation, same prompts.
 
 Every method runs on the same held-out prompts with the same per-prompt seeds, after untimed warm-up. A row reports
 tokens/s (generated tokens / wall-clock seconds summed over prompts), tau, per-depth acceptance, c (mean draft
@@ -113,6 +114,14 @@ def hf_chain_lengths(bench: BenchConfig) -> list[int]:
     return sorted({len(t) for t in bench.trees})
 
 
+def rules_at(temperature: float, rules: list[str]) -> list[str]:
+    """The rules timed at `temperature`: `rules`, except at temperature 0, where every exact rule reduces to argmax
+    matching over the draft's top-b (resispec/verify/greedy.py) and the decoder runs that, walk.GREEDY, whatever its
+    rule: each rule's row would be the same decode, timed again, and the fastest of them the luckiest. There, one row
+    a tree (and one plan a draft), rule "greedy" (none where `rules` is empty)."""
+    return ["greedy"] if rules and is_greedy(temperature) else list(rules)
+
+
 def _methods(
     target,
     drafts: dict[str, Any],
@@ -124,7 +133,7 @@ def _methods(
     plan: Planner | None = None,
 ) -> list[Method]:
     """AR first (the baseline), then every (draft, rule, tree), the planner's tree per rule in bench.plan_rules,
-    then HF assisted per draft and chain length."""
+    then HF assisted per draft and chain length; at temperature 0 one rule, "greedy" (rules_at)."""
 
     device = next(target.parameters()).device
     first_draft = next(iter(drafts.values()))
@@ -140,7 +149,7 @@ def _methods(
         row = BenchRow("ar_ref", temperature, tree="HF forward")
         out.append(_decoder_method(row, ar_ref.generate_autoregressive, device, sampling))
     for label, draft in drafts.items():
-        for rule in bench.draft_rules.get(label, bench.rules):
+        for rule in rules_at(temperature, bench.draft_rules.get(label, bench.rules)):
             for tree in bench.trees:
                 dec = SpeculativeDecoder(
                     target,
@@ -165,7 +174,7 @@ def _methods(
                     row = BenchRow("spec", temperature, draft=label, rule=rule, tree="ref" + tree_str(tree))
                     out.append(_decoder_method(row, ref.generate, device, sampling))
         # a draft head is planned by decoding only (Planner._settle_head: no cost or acceptance model)
-        for rule in bench.plan_rules if plan is not None else ():
+        for rule in rules_at(temperature, bench.plan_rules) if plan is not None else ():
             chosen = plan.choose(draft, rule, sampling, decode.auto_policy)
             log.info("T=%g %s %s: %s (alpha %s)", temperature, label, rule, chosen.describe(), chosen.alpha)
             print(f"planner T={temperature:g} {label} {rule}: {chosen.describe()}")
@@ -477,7 +486,8 @@ def bench_pair(
     if eos is None:
         eos = tokenizer.eos_token_id
     rows: list[BenchRow] = []
-    bar = None
+    # each temperature adds its methods' calls to the total
+    bar = tqdm(total=0, desc="bench", disable=not progress, unit="gen")
     plan = Planner(target, calibration or prompts) if bench.plan_rules else None
     for temperature in bench.temperatures:
         sampling = dict(
@@ -488,9 +498,7 @@ def bench_pair(
             eos_token_id=eos,
         )
         methods = _methods(target, drafts, tokenizer, bench, decode, temperature, sampling, plan)
-        if bar is None:
-            total = len(methods) * (len(prompts) + bench.warmup) * len(bench.temperatures)
-            bar = tqdm(total=total, desc="bench", disable=not progress, unit="gen")
+        bar.total += len(methods) * (len(prompts) + bench.warmup)
         time_methods(methods, prompts, bench, temperature, device, bar)
         rows += fill_rows(methods, len(prompts), drafts, plan)
         confirm_plans(methods, prompts, bench, temperature, device, bar)
@@ -499,8 +507,7 @@ def bench_pair(
             check_plans_on_pool(methods, prompts, pool, target, drafts, sampling, decode.auto_policy)
         if bench.vllm:
             vllm_peer.finish(methods, bench)
-    if bar is not None:
-        bar.close()
+    bar.close()
     if plan is not None and rows:  # the measured cost model travels with the AR row into report.json
         rows[0].stats["cost_model"] = {
             label: {"target_ms": c.target_ms, "draft_ms": c.draft_ms}

@@ -47,10 +47,15 @@ def test_bench_script_writes_report(micro_world, tmp_path):
     assert {"report.md", "report.json", "speedup.png"} <= {p.name for p in out.iterdir()}
     rows = json.loads((out / "report.json").read_text())["rows"]
     # per temperature: AR, AR on the HF forward (reference_step) + per draft (2 rules x 1 tree, lean and reference
-    # step, + the planned tree of 1 rule + HF assisted chain 2)
-    assert len(rows) == 2 * (2 + 2 * (2 * 2 + 1 + 1))
+    # step, + the planned tree of 1 rule + HF assisted chain 2); at T = 0 the one rule "greedy" (speed.rules_at)
+    assert len(rows) == (2 + 2 * (1 * 2 + 1 + 1)) + (2 + 2 * (2 * 2 + 1 + 1))
     assert sum(r["method"] == "ar_ref" and 0 < r["speedup"] for r in rows) == 2
-    assert sum(r["tree"] == "ref[2,1]" for r in rows) == 2 * 2 * 2
+    assert sum(r["tree"] == "ref[2,1]" for r in rows) == 2 * (1 + 2)
+    spec = [r for r in rows if r["method"] == "spec"]
+    assert {t: {r["rule"] for r in spec if r["temperature"] == t} for t in (0, 1)} == {
+        0: {"greedy"},
+        1: {"chain", "resispec"},
+    }
     assert {r["draft"] for r in rows} == {"-", "draft", "second"}
     for t in (0.0, 1.0):
         at = [r for r in rows if r["temperature"] == t]

@@ -67,6 +67,26 @@ def test_greedy_identity(rule, shape, lean, pair, prompts, greedy_refs):
     assert accepted > 0  # the close draft exercised accepted runs
 
 
+def test_temperature_zero_ignores_the_rule(pair, prompts):
+    """At temperature 0 (greedy_topk, the default) every rule's decode is rule "greedy"'s, step for step: the same
+    steps, the same accepted tokens at each depth. The bench times one row a tree there (speed.rules_at)."""
+    from resispec.benchmark.speed import rules_at
+
+    target, close, _ = pair
+
+    def counts(rule: str, ids: torch.Tensor) -> tuple:
+        dec = SpeculativeDecoder(target, close, rule=rule, tree=[3, 2, 1])
+        stats = dec.generate(ids, max_new_tokens=NEW_TOKENS, temperature=0.0).stats
+        return stats.num_drafts, stats.num_accepted_tokens, tuple(stats.accepted_per_position)
+
+    greedy = [counts("greedy", ids) for ids in prompts]
+    assert sum(c[1] for c in greedy) > 0
+    for rule in sorted(VERIFIERS):
+        assert [counts(rule, ids) for ids in prompts] == greedy, rule
+    assert rules_at(0.0, ["chain", "resispec"]) == ["greedy"] and rules_at(0.0, []) == []
+    assert rules_at(1.0, ["chain", "resispec"]) == ["chain", "resispec"]
+
+
 def test_identical_draft_accepts_everything(pair, prompts, greedy_refs):
     """draft = target: every step accepts the whole path, so the draft must catch up on the deepest token."""
     target = pair[0]
