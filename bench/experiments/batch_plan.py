@@ -16,21 +16,18 @@ docs/decoder_speed.md.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import time
 
 import torch
 from tqdm.auto import tqdm
 
 from resispec.benchmark.config import BenchConfig
-from resispec.config import compose_typed
+from resispec.benchmark.experiment import experiment_parser, load_experiment
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding.batch_ar import BatchedDecoder
 from resispec.decoding.batch_spec import BatchedSpeculativeDecoder
 from resispec.decoding.planner import Planner
 from resispec.decoding.planner.settle import SETTLE_TOKENS
-from resispec.models import load_pair
 
 
 def decoder_for(target, draft, rule: str, tree: list[int] | None):
@@ -63,20 +60,15 @@ def timed(make, prompts, rows: int, settings: dict, seed: int) -> tuple[int, flo
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", required=True, help="a draft folder (a run's distill/draft) or world:draft")
+    ap = experiment_parser(__doc__)
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     ap.add_argument("--rules", nargs="+", default=["resispec"])
     ap.add_argument("--trees", nargs="+", default=["1,1,1", "1,1,1,1", "1,1,1,1,1"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--test-prompts", type=int, default=12)
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml")
     args = ap.parse_args(argv)
-    cfg = compose_typed(args.overrides)
-    target, draft, tokenizer = load_pair(
-        cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
-    )
+    cfg, target, draft, tokenizer = load_experiment(args)
     planner_prompts = load_heldout_prompts(
         cfg.data, tokenizer, cfg.world, BenchConfig().plan_calibration_prompts, split="eval"
     )

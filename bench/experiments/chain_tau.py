@@ -16,18 +16,14 @@ prompt sets of this size disagree. The evidence on both: docs/decoder_speed.md.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-
 import torch
 from tqdm.auto import tqdm
 
-from resispec.config import compose_typed
+from resispec.benchmark.experiment import experiment_parser, load_experiment
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.planner import Planner, expected_tau
 from resispec.decoding.planner.settle import REMEASURE_PASSES, SETTLE_PROMPTS, SETTLE_TOKENS
-from resispec.models import load_pair
 
 
 def decoded(decoder, prompts, seeds: int, settings: dict, bar) -> tuple[int, int]:
@@ -46,19 +42,14 @@ def decoded(decoder, prompts, seeds: int, settings: dict, bar) -> tuple[int, int
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", required=True, help="a draft folder (a run's distill/draft) or world:draft")
+    ap = experiment_parser(__doc__)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--depths", type=int, nargs="+", default=[2, 3, 4, 5, 6])
     ap.add_argument("--rules", nargs="+", default=["resispec"])
     ap.add_argument("--test-prompts", type=int, default=12)
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml")
     args = ap.parse_args(argv)
-    cfg = compose_typed(args.overrides)
-    target, draft, tokenizer = load_pair(
-        cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
-    )
+    cfg, target, draft, tokenizer = load_experiment(args)
     planner_prompts = load_heldout_prompts(
         cfg.data, tokenizer, cfg.world, SETTLE_PROMPTS * (1 + REMEASURE_PASSES), split="eval"
     )  # the ones the planner's decodes use (at T = 0 it counts tau on all of bench.plan_calibration_prompts)

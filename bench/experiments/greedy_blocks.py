@@ -13,29 +13,21 @@ table; the evidence it gave: docs/decoder_speed.md ("The plans on 96 test prompt
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import statistics
 
-from resispec.config import compose_typed
+from resispec.benchmark.experiment import experiment_parser, load_experiment
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding.planner import greedy_continuations, greedy_hit_sets, greedy_tau
 from resispec.decoding.planner.settle import SETTLE_TOKENS
-from resispec.models import load_pair
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", required=True, help="a draft folder (a run's distill/draft) or world:draft")
+    ap = experiment_parser(__doc__)
     ap.add_argument("--prompts", type=int, default=96)
     ap.add_argument("--block", type=int, default=12)
     ap.add_argument("--trees", nargs="+", default=["1,1,1,1", "2,1,1"])
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml")
     args = ap.parse_args(argv)
-    cfg = compose_typed(args.overrides)
-    target, draft, tokenizer = load_pair(
-        cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
-    )
+    cfg, target, draft, tokenizer = load_experiment(args)
     trees = [[int(b) for b in t.split(",")] for t in args.trees]
     k = args.block
     lines = [

@@ -14,37 +14,29 @@ gave: docs/decoder_speed.md.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import statistics
 
 import torch
 from tqdm.auto import tqdm
 
 from resispec.benchmark.config import BenchConfig
+from resispec.benchmark.experiment import experiment_parser, load_experiment
 from resispec.benchmark.results import BenchRow
 from resispec.benchmark.speed import _decoder_method, round_prompts, time_fastest
-from resispec.config import compose_typed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import SpeculativeDecoder
-from resispec.models import load_pair
 from resispec.verify import build_rule
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", required=True, help="a draft folder (a run's distill/draft) or world:draft")
+    ap = experiment_parser(__doc__)
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--tree", type=int, nargs="+", default=[1, 1, 1, 1, 1])
     ap.add_argument("--rule", default="resispec")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--protocols", nargs="+", default=["12x1", "6x2", "12x2", "12x3"])
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml")
     args = ap.parse_args(argv)
-    cfg = compose_typed(args.overrides)
-    target, draft, tokenizer = load_pair(
-        cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
-    )
+    cfg, target, draft, tokenizer = load_experiment(args)
     bench = BenchConfig(max_new_tokens=48)
     protocols = [tuple(int(x) for x in p.split("x")) for p in args.protocols]
     prompts = load_heldout_prompts(cfg.data, tokenizer, cfg.world, max(p for p, _ in protocols))

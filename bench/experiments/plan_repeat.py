@@ -12,31 +12,23 @@ prediction carries. Prints a markdown table; the evidence it gave: docs/decoder_
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import statistics
 
 from tqdm.auto import tqdm
 
 from resispec.benchmark.config import BenchConfig
-from resispec.config import compose_typed
+from resispec.benchmark.experiment import experiment_parser, load_experiment
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding.planner import Planner
-from resispec.models import load_pair
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", required=True, help="a draft folder (a run's distill/draft) or world:draft")
+    ap = experiment_parser(__doc__)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     ap.add_argument("--rules", nargs="+", default=["resispec", "resispec_auto"])
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml")
     args = ap.parse_args(argv)
-    cfg = compose_typed(args.overrides)
-    target, draft, tokenizer = load_pair(
-        cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
-    )
+    cfg, target, draft, tokenizer = load_experiment(args)
     prompts = load_heldout_prompts(
         cfg.data, tokenizer, cfg.world, BenchConfig().plan_calibration_prompts, split="eval"
     )

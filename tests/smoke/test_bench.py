@@ -130,3 +130,41 @@ def test_bench_random_pair_needs_no_world(tmp_path):
         1 + s["num_accepted_tokens"] / s["num_drafts"]
     )
     assert json.loads((tmp_path / "report.json").read_text())["meta"]["target"].startswith("random")
+
+
+def test_experiment_script_runs_on_the_shared_opening(micro_world):
+    """bench/experiments/greedy_blocks.py on the micro world: the opening the experiment scripts share
+    (resispec.benchmark.experiment: --draft, Hydra overrides, the pair loaded) composes, loads and runs; every script
+    built on it parses its options."""
+    import importlib.util
+
+    world, paths = micro_world
+
+    def script(name: str):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "experiments" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    overrides = ["+recipe=debug", f"world.cache_dir={world.cache_dir}"]
+    text = script("greedy_blocks").main(
+        [
+            "--draft",
+            str(paths.draft_dir),
+            "--prompts",
+            "4",
+            "--block",
+            "2",
+            "--trees",
+            "1,1",
+            "2",
+            "--",
+            *overrides,
+        ]
+    )
+    rows = [line for line in text.splitlines() if line.startswith("| test |") or line.startswith("| eval |")]
+    assert len(rows) == 2 * 2  # two splits x two trees
+    for name in ("batch_plan", "chain_tau", "h2h_noise", "plan_repeat"):
+        with pytest.raises(SystemExit) as exit_info:
+            script(name).main(["--help"])
+        assert exit_info.value.code == 0

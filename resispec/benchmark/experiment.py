@@ -1,0 +1,30 @@
+"""The opening the `bench/experiments/` scripts share: an argument parser that takes a draft folder and Hydra
+overrides of conf/distill.yaml (experiment_parser), and the composed config with the target and that draft loaded
+(load_experiment)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from resispec.config import compose_typed
+from resispec.models import load_pair
+
+
+def experiment_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A parser with the script's docstring as its help, `--draft` (required) and the positional Hydra overrides;
+    the script adds its own options."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", required=True, help="a draft folder (a run's distill/draft) or world:draft")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/distill.yaml, e.g. +recipe=tiny")
+    return ap
+
+
+def load_experiment(args: argparse.Namespace):
+    """(config, target, draft, tokenizer): conf/distill.yaml composed with `args.overrides`, its target and the
+    draft at `args.draft` loaded as the bench loads them."""
+    cfg = compose_typed(args.overrides)
+    target, draft, tokenizer = load_pair(
+        cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
+    )
+    return cfg, target, draft, tokenizer
