@@ -21,8 +21,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from resispec.benchmark.config import BenchConfig
-from resispec.benchmark.experiment import experiment_parser, load_experiment
+from resispec.benchmark.experiment import experiment_parser, load_experiment, planner_prompts, printed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding.batch_ar import BatchedDecoder
 from resispec.decoding.batch_spec import BatchedSpeculativeDecoder
@@ -69,11 +68,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--test-prompts", type=int, default=12)
     args = ap.parse_args(argv)
     cfg, target, draft, tokenizer = load_experiment(args)
-    planner_prompts = load_heldout_prompts(
-        cfg.data, tokenizer, cfg.world, BenchConfig().plan_calibration_prompts, split="eval"
-    )
+    calibration = planner_prompts(cfg, tokenizer)
     test = load_heldout_prompts(cfg.data, tokenizer, cfg.world, args.test_prompts)
-    planner = Planner(target, planner_prompts)
+    planner = Planner(target, calibration)
     fixed = [[int(b) for b in t.split(",")] for t in args.trees]
     lines = [
         f"batched buckets: {args.rows} rows, {len(test)} test prompts x {SETTLE_TOKENS} tokens, "
@@ -111,9 +108,7 @@ def main(argv: list[str] | None = None) -> str:
                     f"| {ratio} |"
                 )
             lines.append(f"| {temperature:g} | {rule} | batch-1 plan: {plans[1].tree} | | | |")
-    text = "\n".join(lines)
-    print(text)
-    return text
+    return printed(lines)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from resispec.benchmark.experiment import experiment_parser, load_experiment
+from resispec.benchmark.experiment import experiment_parser, load_experiment, printed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.planner import Planner, expected_tau
@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> str:
                 taus = [a / b for a, b in (cal, later, both, held)]
                 cells = " | ".join(f"{t:.3f}" for t in taus)
                 lines.append(f"| {rule} | {tree} | {model:.3f} | {cells} | {model / taus[-1]:.3f} |")
-    text = "\n".join(lines)
-    print(text)
-    return text
+    return printed(lines)
 
 
 if __name__ == "__main__":

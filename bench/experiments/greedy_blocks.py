@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 
-from resispec.benchmark.experiment import experiment_parser, load_experiment
+from resispec.benchmark.experiment import experiment_parser, load_experiment, printed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding.planner import greedy_continuations, greedy_hit_sets, greedy_tau
 from resispec.decoding.planner.settle import SETTLE_TOKENS
@@ -46,9 +46,7 @@ def main(argv: list[str] | None = None) -> str:
                 f"| {split} | {tree} | {greedy_tau(tree, hits[:k]):.3f} | {greedy_tau(tree, hits[:48]):.3f} "
                 f"| {greedy_tau(tree, hits):.3f} | {statistics.pstdev(per):.2f} | {blocks} |"
             )
-    text = "\n".join(lines)
-    print(text)
-    return text
+    return printed(lines)
 
 
 if __name__ == "__main__":

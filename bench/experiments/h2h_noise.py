@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from resispec.benchmark.config import BenchConfig
-from resispec.benchmark.experiment import experiment_parser, load_experiment
+from resispec.benchmark.experiment import experiment_parser, load_experiment, printed
 from resispec.benchmark.results import BenchRow
 from resispec.benchmark.speed import _decoder_method, round_prompts, time_fastest
 from resispec.data.prompts import load_heldout_prompts
@@ -82,9 +82,7 @@ def main(argv: list[str] | None = None) -> str:
             f"| {p[0]}x{p[1]} | {' '.join(f'{x:.3f}' for x in r)} | {sd:.1%} | {max(abs(x - 1) for x in r):.1%} "
             f"| {statistics.mean(seconds[p]):.0f} |"
         )
-    text = "\n".join(lines)
-    print(text)
-    return text
+    return printed(lines)
 
 
 if __name__ == "__main__":

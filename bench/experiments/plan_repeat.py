@@ -16,9 +16,7 @@ import statistics
 
 from tqdm.auto import tqdm
 
-from resispec.benchmark.config import BenchConfig
-from resispec.benchmark.experiment import experiment_parser, load_experiment
-from resispec.data.prompts import load_heldout_prompts
+from resispec.benchmark.experiment import experiment_parser, load_experiment, planner_prompts, printed
 from resispec.decoding.planner import Planner
 
 
@@ -29,9 +27,7 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--rules", nargs="+", default=["resispec", "resispec_auto"])
     args = ap.parse_args(argv)
     cfg, target, draft, tokenizer = load_experiment(args)
-    prompts = load_heldout_prompts(
-        cfg.data, tokenizer, cfg.world, BenchConfig().plan_calibration_prompts, split="eval"
-    )
+    prompts = planner_prompts(cfg, tokenizer)
     planner = Planner(target, prompts)
     lines = [
         f"planner repeatability: draft {args.draft}, {args.repeats} plans each",
@@ -58,9 +54,7 @@ def main(argv: list[str] | None = None) -> str:
     for (temperature, tree), sp in by_tree.items():
         spread = f"{statistics.stdev(sp) / statistics.mean(sp):.1%}" if len(sp) > 1 else "-"
         lines.append(f"| {temperature:g} | {tree} | {len(sp)} | {min(sp):.3f}-{max(sp):.3f} | {spread} |")
-    text = "\n".join(lines)
-    print(text)
-    return text
+    return printed(lines)
 
 
 if __name__ == "__main__":

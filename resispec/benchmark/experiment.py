@@ -1,13 +1,15 @@
 """The opening the `bench/experiments/` scripts share: an argument parser that takes a draft folder and Hydra
 overrides of conf/distill.yaml (experiment_parser), and the composed config with the target and that draft loaded
-(load_experiment)."""
+(load_experiment); the planner's prompts (planner_prompts) and the result printed (printed)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
+from resispec.benchmark.config import BenchConfig
 from resispec.config import compose_typed
+from resispec.data.prompts import load_heldout_prompts
 from resispec.models import load_pair
 
 
@@ -28,3 +30,17 @@ def load_experiment(args: argparse.Namespace):
         cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
     )
     return cfg, target, draft, tokenizer
+
+
+def planner_prompts(cfg, tokenizer) -> list[list[int]]:
+    """The prompts the bench's planner calibrates on: bench.plan_calibration_prompts' default count of the
+    validation split."""
+    count = BenchConfig().plan_calibration_prompts
+    return load_heldout_prompts(cfg.data, tokenizer, cfg.world, count, split="eval")
+
+
+def printed(lines: list[str]) -> str:
+    """An experiment's result, its markdown lines joined: printed, and returned (the script's main returns it)."""
+    text = "\n".join(lines)
+    print(text)
+    return text

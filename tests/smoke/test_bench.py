@@ -164,7 +164,7 @@ def test_experiment_script_runs_on_the_shared_opening(micro_world):
     )
     rows = [line for line in text.splitlines() if line.startswith("| test |") or line.startswith("| eval |")]
     assert len(rows) == 2 * 2  # two splits x two trees
-    for name in ("batch_plan", "chain_tau", "h2h_noise", "plan_repeat"):
+    for name in ("batch_plan", "chain_tau", "h2h_noise", "plan_repeat", "remeasure_noise"):
         with pytest.raises(SystemExit) as exit_info:
             script(name).main(["--help"])
         assert exit_info.value.code == 0
