@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> str:
             for num, repeats in protocols:  # interleaved, so a slow phase weighs on every protocol
                 block = round_prompts(prompts[:num], 1)[0]
                 t = bar.format_dict["elapsed"]
-                tps = time_fastest(
+                tps, _ = time_fastest(
                     group, block, repeats, bench, device, bar, f"trial {trial + 1} {num}x{repeats}"
                 )
                 ratios[(num, repeats)].append(tps[id(twin_a)] / tps[id(twin_b)])

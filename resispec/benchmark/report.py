@@ -328,6 +328,12 @@ def head_to_head_markdown(rows: list[BenchRow]) -> list[str]:
     return lines + [""]
 
 
+def _taus(g: dict, prefix: str = "") -> str:
+    """A pool table cell: the tau counted on the timed prompts / the tau their calls decoded."""
+    counted = g[f"{prefix}tau_timed"]
+    return f"{counted:.2f} / {g.get(f'{prefix}tau_decoded', counted):.2f}"
+
+
 def pool_markdown(rows: list[BenchRow]) -> list[str]:
     """The plans on many prompts (speed.check_plans_on_pool: the planned and best fixed trees' tau on the bench's
     prompts and more of the test split, the timed speedups carried to it) as markdown lines; none where it did not
@@ -340,16 +346,17 @@ def pool_markdown(rows: list[BenchRow]) -> list[str]:
     lines = [
         f"tree=auto on {n} test prompts: each planned tree and the best fixed tree of its rule counted on them, "
         f"against the prompts its speedup was timed on (the head-to-head's, else the sweep's: the first of the "
-        f"{n}), and that speedup carried to the {n} prompts' tau (x tau there / tau on the timed prompts: a decode "
-        "of fixed length takes steps as 1 / tau). A few prompts' tau is their luck: the greedy chain's spreads by "
-        "about 0.6 a prompt on the tiny world. T = 0: tau counted exactly (the decoder's own count replayed along "
+        f"{n}), and that speedup carried to the {n} prompts' tau (x tau there / the tau the timed calls decoded: a "
+        "decode of fixed length takes steps as 1 / tau). A few prompts' tau is their luck: the greedy chain's spreads "
+        "by about 0.6 a prompt on the tiny world. T = 0: tau counted exactly (the decoder's own count replayed along "
         "the target's greedy continuations, EOS ignored; no decode). T > 0: a chain's tau by the product model (its "
-        "expectation: one draw a level), alpha averaged over each prompt's sampled continuation; a tree with a "
-        "multi-draw level is not carried (-). predicted / carried: the planner's prediction over the carried "
-        "speedup.",
+        "expectation: one draw a level), alpha averaged over each prompt's sampled continuation; the timed calls' "
+        "decoded tau also holds their draws' luck, which carrying removes; a tree with a multi-draw level is not "
+        "carried (-). predicted / carried: the planner's prediction over the carried speedup.",
         "",
-        "| T | row | timed prompts | tau, timed prompts | tau, all | speedup, carried | predicted / carried "
-        "| best fixed: tau, timed prompts | tau, all | speedup, carried | planned / best fixed, carried |",
+        "| T | row | timed prompts | tau, timed prompts: counted / decoded | tau, all | speedup, carried "
+        "| predicted / carried | best fixed: tau, timed prompts: counted / decoded | tau, all | speedup, carried "
+        "| planned / best fixed, carried |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in planned:
@@ -357,11 +364,11 @@ def pool_markdown(rows: list[BenchRow]) -> list[str]:
         mine = ["-"] * 4
         if "speedup" in g:
             miss = f"{pred / g['speedup'] - 1:+.1%}" if pred is not None else "-"
-            mine = [f"{g['tau_timed']:.2f}", f"{g['tau']:.2f}", f"{g['speedup']:.2f}", miss]
+            mine = [_taus(g), f"{g['tau']:.2f}", f"{g['speedup']:.2f}", miss]
         best = [g["best_fixed"] if g.get("best_fixed") else "-", "-", "-", "-"]
         if "best_speedup" in g:
             best = [
-                f"{g['best_fixed']} {g['best_tau_timed']:.2f}",
+                f"{g['best_fixed']} {_taus(g, 'best_')}",
                 f"{g['best_tau']:.2f}",
                 f"{g['best_speedup']:.2f}",
                 f"{g['ratio']:.3f}" if "ratio" in g else "-",

@@ -257,22 +257,27 @@ def time_fastest(
     device,
     bar,
     what: str,
-) -> dict[int, float]:
+) -> tuple[dict[int, float], dict[int, float | None]]:
     """`repeats` passes over `block` (round_prompts' (index, prompt) pairs, each with the sweep's seed), each prompt
     through every method of `group` in turn, the order reversed every other prompt and pass; each (method, prompt)
-    counts at its fastest call. Returns id(method) -> tokens/s (all tokens / the fastest calls' seconds)."""
+    counts at its fastest call. Returns id(method) -> tokens/s (all tokens / the fastest calls' seconds), and
+    id(method) -> the tau those calls decoded (None: a method without DecodeStats; a seeded call decodes the same
+    tokens every pass)."""
     bar.total += len(group) * len(block) * repeats
     fastest = {id(m): [math.inf] * len(block) for m in group}
     tokens = {id(m): [0] * len(block) for m in group}
+    stats: dict[int, list] = {id(m): [None] * len(block) for m in group}
     for rep in range(repeats):
         for j, (i, p) in enumerate(block):
             for m in group if (rep + j) % 2 == 0 else group[::-1]:
                 bar.set_postfix_str(f"{what} {rep + 1}/{repeats} prompt {j + 1}/{len(block)} {m.row.label}")
-                seconds, num, _ = _timed(m, p, bench.seed + i, bench, device)
-                fastest[id(m)][j] = min(fastest[id(m)][j], seconds)
+                seconds, num, call_stats = _timed(m, p, bench.seed + i, bench, device)
+                if seconds < fastest[id(m)][j]:
+                    fastest[id(m)][j], stats[id(m)][j] = seconds, call_stats
                 tokens[id(m)][j] = num
                 bar.update()
-    return {k: sum(tokens[k]) / sum(fastest[k]) for k in fastest}
+    taus = {k: None if None in v else sum_stats(v).tau for k, v in stats.items()}
+    return {k: sum(tokens[k]) / sum(fastest[k]) for k in fastest}, taus
 
 
 def confirm_plans(
@@ -286,7 +291,7 @@ def confirm_plans(
     it the sweep's fastest does not count against the plan. The machine's noise stays: two identical decodes timed
     this way read up to 8% apart at 6 prompts x 2, within 5% at 12 x 3 (bench/experiments/h2h_noise.py,
     docs/decoder_speed.md). Each planned row gets stats["head_to_head"]: its speedup over AR, the best fixed row's,
-    and their ratio."""
+    their ratio, and the tau each one's counted calls decoded (check_plans_on_pool carries by it)."""
     repeats = bench.plan_confirm_repeats
     planned = [m for m in methods if m.row.stats.get("plan")]
     if repeats <= 0 or not planned:
@@ -301,18 +306,18 @@ def confirm_plans(
             if all(g is not x for x in group):
                 group.append(g)
     block = list(enumerate(prompts))[: bench.plan_confirm_prompts] or round_prompts(prompts, bench.rounds)[0]
-    tps = time_fastest(group, block, repeats, bench, device, bar, f"T={temperature:g} head-to-head")
+    tps, taus = time_fastest(group, block, repeats, bench, device, bar, f"T={temperature:g} head-to-head")
 
     def speedup(m: Method) -> float:
         return tps[id(m)] / tps[id(methods[0])]
 
     for m in planned:
-        h = {"speedup": speedup(m), "prompts": len(block), "repeats": repeats}
+        h = {"speedup": speedup(m), "tau": taus[id(m)], "prompts": len(block), "repeats": repeats}
         if (b := best[id(m)]) is not None:
             same = m.row.tree == "auto" + b.tree  # the same decode: one measure serves both
-            b_speedup = h["speedup"] if same else speedup(method_of[id(b)])
-            h.update(best_fixed=b.tree, best_speedup=b_speedup, same_tree=same)
-            h["ratio"] = h["speedup"] / b_speedup
+            b_m = m if same else method_of[id(b)]
+            h.update(best_fixed=b.tree, best_speedup=speedup(b_m), best_tau=taus[id(b_m)], same_tree=same)
+            h["ratio"] = h["speedup"] / h["best_speedup"]
         m.row.stats["head_to_head"] = h
 
 
@@ -321,13 +326,19 @@ def confirm_plans(
 POOL_SAMPLED_TOKENS, POOL_SEED = 32, 30_000
 
 
-def _carried(tree: list[int], speedup: float, tau_of, timed: int) -> dict | None:
+def _carried(
+    tree: list[int], speedup: float, tau_of, timed: int, tau_decoded: float | None = None
+) -> dict | None:
     """`tree`'s tau over every pool prompt and over the first `timed` (those its `speedup` was timed on), `tau_of(tree,
-    prompts)` (None: not counted), and that speedup carried to the former."""
+    prompts)` (None: not counted), and that speedup carried to the former: x pool tau / the tau the timed calls
+    decoded (`tau_decoded`; None: the count on their prompts). At T = 0 the two are one (the count is the decoder's
+    own); at T > 0 the decoded one also holds the luck of the calls' draws (a chain's tau over 6 prompts of 48
+    tokens moves by 5-10% from seed to seed), which the count, an expectation, does not."""
     tau, tau_timed = tau_of(tree, None), tau_of(tree, timed)
     if tau is None or tau_timed is None:
         return None
-    return {"tau": tau, "tau_timed": tau_timed, "speedup": speedup * tau / tau_timed}
+    decoded = tau_decoded or tau_timed
+    return {"tau": tau, "tau_timed": tau_timed, "tau_decoded": decoded, "speedup": speedup * tau / decoded}
 
 
 def _pool_tau_of(target, draft, rule, pool, settings: dict, continuations, per_draft: list):
@@ -392,8 +403,8 @@ def check_plans_on_pool(
 ) -> None:
     """After confirm_plans (bench.plan_check_prompts > 0): each planned row's tree and the best fixed row of its rule
     counted on `pool` (the bench's prompts first, then more test prompts), and each timed speedup (the
-    head-to-head's, else the sweep's) carried to the pool's tau: speedup x pool tau / its own prompts' tau (a decode
-    of fixed length takes steps as 1 / tau). A speedup's prompts sample a wide spread (the tiny world's greedy chain
+    head-to-head's, else the sweep's) carried to the pool's tau: speedup x pool tau / the tau its calls decoded (a
+    decode of fixed length takes steps as 1 / tau; _carried). A speedup's prompts sample a wide spread (the tiny world's greedy chain
     tau: 0.6 a prompt around 2.8) and the bench times few, so the plan, its prediction and the best fixed row
     compare here on many. T = 0: every tree, by greedy replay (exact: the decoder's own count, EOS ignored; no
     decode). T > 0: chains, by the product model (_pool_tau_of); a tree with a multi-draw level is not carried.
@@ -408,14 +419,17 @@ def check_plans_on_pool(
         tau_of = counters[r.draft, r.rule]
         h2h = r.stats.get("head_to_head")
         timed = h2h["prompts"] if h2h else len(prompts)  # the first prompts, in both
-        speedup = h2h["speedup"] if h2h else r.speedup
+        speedup, decoded = (h2h["speedup"], h2h.get("tau")) if h2h else (r.speedup, r.tau)
         out = {"prompts": len(pool), "timed_prompts": timed, "timed_by": "head-to-head" if h2h else "sweep"}
-        out.update(_carried(tree_of(r.tree), speedup, tau_of, timed) or {})
+        out.update(_carried(tree_of(r.tree), speedup, tau_of, timed, decoded) or {})
         b = best_fixed_of(rows, r)
         best = None
         if b is not None:
-            b_speedup = h2h.get("best_speedup", speedup) if h2h else b.speedup
-            best = _carried(tree_of(b.tree), b_speedup, tau_of, timed)
+            if h2h:
+                b_speedup, b_decoded = h2h.get("best_speedup", speedup), h2h.get("best_tau", decoded)
+            else:
+                b_speedup, b_decoded = b.speedup, b.tau
+            best = _carried(tree_of(b.tree), b_speedup, tau_of, timed, b_decoded)
             out["best_fixed"] = b.tree
         if best is not None:
             out.update({f"best_{k}": v for k, v in best.items()})

@@ -82,7 +82,9 @@ def test_bench_script_writes_report(micro_world, tmp_path):
                 assert ("best_speedup" in g) == (t == 0.0)  # [2,1] is no chain
                 if "speedup" in g:
                     assert 1.0 <= g["tau"] <= 1 + len(plan["tree"])
-                    assert g["speedup"] == pytest.approx(h["speedup"] * g["tau"] / g["tau_timed"])
+                    # carried over the tau the head-to-head's calls decoded
+                    assert g["tau_decoded"] == pytest.approx(h["tau"]) and 1.0 <= h["tau"] <= 3
+                    assert g["speedup"] == pytest.approx(h["speedup"] * g["tau"] / h["tau"])
             elif r["method"] == "spec":
                 assert len(r["per_depth_acceptance"]) == 2 and r["c"] > 0
                 # tau is tokens per verify forward, read from the row's own counters, and at most every level

@@ -502,14 +502,23 @@ def test_plan_head_to_head_re_times_the_sweeps_pick_beside_the_plan_and_keeps_ea
     monkeypatch.setattr(speed.time, "perf_counter", lambda: clock[0])
     calls: list[tuple[str, int, int]] = []
 
-    def method(row: BenchRow, seconds: float, sweep_speedup: float, burst: int | None = None) -> Method:
+    def method(
+        row: BenchRow, seconds: float, sweep_speedup: float, burst: int | None = None, steps: int = 0
+    ) -> Method:
         row.speedup = sweep_speedup
 
         def run(prompt, seed, max_new_tokens):
             calls.append((row.label, prompt[0], seed))
             n = len([c for c in calls if c[0] == row.label])
             clock[0] += seconds * (10 if n == burst else 1)  # a burst of the machine in one call
-            return 10, None
+            # a decode of `steps` steps emitting 10 tokens (tau 10 / steps), or one without stats (AR, steps 0);
+            # in the burst call one step more: the head-to-head keeps its fastest call's
+            stats = (
+                DecodeStats(num_drafts=steps + (n == burst), num_accepted_tokens=10 - steps)
+                if steps
+                else None
+            )
+            return 10, stats
 
         return Method(row, run)
 
@@ -518,10 +527,11 @@ def test_plan_head_to_head_re_times_the_sweeps_pick_beside_the_plan_and_keeps_ea
 
     methods = [
         method(BenchRow("ar", 1.0), 1.0, 1.0, burst=1),
-        method(BenchRow("spec", 1.0, "d", "resispec", "[1,1]"), 0.5, 2.1),  # the sweep's pick (lucky)
+        # the sweep's pick (lucky)
+        method(BenchRow("spec", 1.0, "d", "resispec", "[1,1]"), 0.5, 2.1, steps=4),
         method(BenchRow("spec", 1.0, "d", "resispec", "[4,2]"), 0.6, 1.5),
         method(BenchRow("spec", 1.0, "d", "chain", "[1,1]"), 0.5, 1.9),
-        method(planned("resispec", "auto[2,1]", 2.2), 0.45, 1.8),  # truly faster than [1,1]
+        method(planned("resispec", "auto[2,1]", 2.2), 0.45, 1.8, burst=2, steps=5),  # truly faster than [1,1]
         method(planned("chain", "auto[1,1]", 2.0), 0.5, 1.8),  # the best fixed tree itself
         method(planned("hub", "auto[3]", 1.2), 0.8, 1.2),  # no fixed rows of its rule
     ]
@@ -537,6 +547,9 @@ def test_plan_head_to_head_re_times_the_sweeps_pick_beside_the_plan_and_keeps_ea
     assert h["auto[2,1]"]["speedup"] == pytest.approx(1 / 0.45)  # AR's burst dropped: its fastest is 1.0 s
     assert h["auto[2,1]"]["best_fixed"] == "[1,1]" and h["auto[2,1]"]["best_speedup"] == pytest.approx(2.0)
     assert h["auto[2,1]"]["ratio"] == pytest.approx(0.5 / 0.45) and not h["auto[2,1]"]["same_tree"]
+    # the tau its fastest calls decoded (10 tokens in 5 steps each: its burst call's 6 steps not among them)
+    assert h["auto[2,1]"]["tau"] == pytest.approx(2.0) and h["auto[2,1]"]["best_tau"] == pytest.approx(2.5)
+    assert h["auto[3]"]["tau"] is None  # a method without DecodeStats
     assert h["auto[1,1]"]["same_tree"] and h["auto[1,1]"]["ratio"] == 1.0
     assert "best_fixed" not in h["auto[3]"] and h["auto[3]"]["speedup"] == pytest.approx(1.25)
     assert (h["auto[2,1]"]["prompts"], h["auto[2,1]"]["repeats"]) == (2, 2)
@@ -614,7 +627,9 @@ def test_plan_pool_check_counts_the_plans_tau_on_more_prompts_and_carries_the_ti
         assert g["best_tau"] == pytest.approx(decoded_tau([1, 1, 1], pool))
         assert g["best_tau_timed"] == pytest.approx(decoded_tau([1, 1, 1], pool[:2]))
         assert g3["tau_timed"] == pytest.approx(decoded_tau([3], pool[:3]))
+    # no decoded tau recorded (the test's rows): the count
     assert g["speedup"] == pytest.approx(1.5 * g["tau"] / g["tau_timed"])
+    assert g["tau_decoded"] == g["tau_timed"]
     assert g["best_fixed"] == "[1,1,1]"
     assert g["best_speedup"] == pytest.approx(1.6 * g["best_tau"] / g["best_tau_timed"])
     assert g["ratio"] == pytest.approx(g["speedup"] / g["best_speedup"])
@@ -622,10 +637,12 @@ def test_plan_pool_check_counts_the_plans_tau_on_more_prompts_and_carries_the_ti
     assert g3["best_speedup"] == pytest.approx(1.7 * g3["best_tau"] / decoded_tau([1, 1, 1], pool[:3]))
     assert "pool" not in methods[0].row.stats  # fixed rows carry none of their own
 
-    # T = 1: a planned chain against a fixed chain, a planned tree whose own tau the model does not carry
+    # T = 1: a planned chain against a fixed chain, a planned tree whose own tau the model does not carry; the
+    # head-to-head's calls decoded tau 1.7 and 2.1 (their draws' luck): the carried speedups divide by those
+    decoded = dict(h2h, tau=1.7, best_tau=2.1)
     sampled = [
         Method(row(1.0, "[1,1,1]", 1.6), None),
-        Method(row(1.0, "auto[1,1]", 1.3, plan={"tau": 1.8, "speedup": 1.35}, head_to_head=h2h), None),
+        Method(row(1.0, "auto[1,1]", 1.3, plan={"tau": 1.8, "speedup": 1.35}, head_to_head=decoded), None),
         Method(row(1.0, "auto[2,1]", 1.2, plan={"tau": 1.9, "speedup": 1.25}), None),
     ]
     settings = dict(temperature=1.0, top_k=0, top_p=1.0)
@@ -652,7 +669,8 @@ def test_plan_pool_check_counts_the_plans_tau_on_more_prompts_and_carries_the_ti
         model_tau([1, 1], 2)
     )
     assert s1["best_tau"] == pytest.approx(model_tau([1, 1, 1], 6))
-    assert s1["speedup"] == pytest.approx(1.5 * s1["tau"] / s1["tau_timed"])
+    assert s1["speedup"] == pytest.approx(1.5 * s1["tau"] / 1.7) and s1["tau_decoded"] == 1.7
+    assert s1["best_speedup"] == pytest.approx(1.6 * s1["best_tau"] / 2.1)
     assert s1["ratio"] == pytest.approx(s1["speedup"] / s1["best_speedup"])
     assert 0.05 < min(alphas) and max(alphas) < 0.95 and s1["tau"] != s1["tau_timed"]  # prompts that differ
     assert "speedup" not in s2 and "ratio" not in s2  # [2,1]: not carried at T > 0
