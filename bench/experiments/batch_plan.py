@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from resispec.benchmark.experiment import experiment_parser, load_experiment, planner_prompts, printed
+from resispec.config import compose_typed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding.batch_ar import BatchedDecoder
 from resispec.decoding.batch_spec import BatchedSpeculativeDecoder
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--test-prompts", type=int, default=12)
     args = ap.parse_args(argv)
-    cfg, target, draft, tokenizer = load_experiment(args)
+    cfg = compose_typed(args.overrides)
+    target, draft, tokenizer = load_experiment(cfg, args.draft)
     calibration = planner_prompts(cfg, tokenizer)
     test = load_heldout_prompts(cfg.data, tokenizer, cfg.world, args.test_prompts)
     planner = Planner(target, calibration)

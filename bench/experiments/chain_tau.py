@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from resispec.benchmark.experiment import experiment_parser, load_experiment, printed
+from resispec.config import compose_typed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.planner import Planner, expected_tau
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--rules", nargs="+", default=["resispec"])
     ap.add_argument("--test-prompts", type=int, default=12)
     args = ap.parse_args(argv)
-    cfg, target, draft, tokenizer = load_experiment(args)
+    cfg = compose_typed(args.overrides)
+    target, draft, tokenizer = load_experiment(cfg, args.draft)
     planner_prompts = load_heldout_prompts(
         cfg.data, tokenizer, cfg.world, SETTLE_PROMPTS * (1 + REMEASURE_PASSES), split="eval"
     )  # the ones the planner's decodes use (at T = 0 it counts tau on all of bench.plan_calibration_prompts)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 
 from resispec.benchmark.experiment import experiment_parser, load_experiment, printed
+from resispec.config import compose_typed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding.planner import greedy_continuations, greedy_hit_sets, greedy_tau
 from resispec.decoding.planner.settle import SETTLE_TOKENS
@@ -27,7 +28,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--block", type=int, default=12)
     ap.add_argument("--trees", nargs="+", default=["1,1,1,1", "2,1,1"])
     args = ap.parse_args(argv)
-    cfg, target, draft, tokenizer = load_experiment(args)
+    cfg = compose_typed(args.overrides)
+    target, draft, tokenizer = load_experiment(cfg, args.draft)
     trees = [[int(b) for b in t.split(",")] for t in args.trees]
     k = args.block
     lines = [

@@ -23,6 +23,7 @@ from resispec.benchmark.config import BenchConfig
 from resispec.benchmark.experiment import experiment_parser, load_experiment, printed
 from resispec.benchmark.results import BenchRow
 from resispec.benchmark.speed import _decoder_method, round_prompts, time_fastest
+from resispec.config import compose_typed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.decoding import SpeculativeDecoder
 from resispec.verify import build_rule
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--protocols", nargs="+", default=["12x1", "6x2", "12x2", "12x3"])
     args = ap.parse_args(argv)
-    cfg, target, draft, tokenizer = load_experiment(args)
+    cfg = compose_typed(args.overrides)
+    target, draft, tokenizer = load_experiment(cfg, args.draft)
     bench = BenchConfig(max_new_tokens=48)
     protocols = [tuple(int(x) for x in p.split("x")) for p in args.protocols]
     prompts = load_heldout_prompts(cfg.data, tokenizer, cfg.world, max(p for p, _ in protocols))

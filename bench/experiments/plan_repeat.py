@@ -17,6 +17,7 @@ import statistics
 from tqdm.auto import tqdm
 
 from resispec.benchmark.experiment import experiment_parser, load_experiment, planner_prompts, printed
+from resispec.config import compose_typed
 from resispec.decoding.planner import Planner
 
 
@@ -26,7 +27,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     ap.add_argument("--rules", nargs="+", default=["resispec", "resispec_auto"])
     args = ap.parse_args(argv)
-    cfg, target, draft, tokenizer = load_experiment(args)
+    cfg = compose_typed(args.overrides)
+    target, draft, tokenizer = load_experiment(cfg, args.draft)
     prompts = planner_prompts(cfg, tokenizer)
     planner = Planner(target, prompts)
     lines = [

@@ -24,6 +24,7 @@ import statistics
 from tqdm.auto import tqdm
 
 from resispec.benchmark.experiment import experiment_parser, load_experiment, planner_prompts, printed
+from resispec.config import compose_typed
 from resispec.decoding.planner import (
     Planner,
     expected_tau,
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
-    cfg, target, draft, tokenizer = load_experiment(args)
+    cfg = compose_typed(args.overrides)
+    target, draft, tokenizer = load_experiment(cfg, args.draft)
     prompts = planner_prompts(cfg, tokenizer)
     sampling = dict(temperature=args.temperature, top_p=cfg.decode.top_p, top_k=cfg.decode.top_k)
     rule = "greedy" if is_greedy(args.temperature) else args.rule

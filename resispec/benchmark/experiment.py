@@ -1,6 +1,6 @@
 """The opening the `bench/experiments/` scripts share: an argument parser that takes a draft folder and Hydra
-overrides of conf/distill.yaml (experiment_parser), and the composed config with the target and that draft loaded
-(load_experiment); the planner's prompts (planner_prompts) and the result printed (printed)."""
+overrides of conf/distill.yaml (experiment_parser), and, the script having composed the config, its target and that
+draft loaded (load_experiment); the planner's prompts (planner_prompts) and the result printed (printed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import argparse
 import dataclasses
 
 from resispec.benchmark.config import BenchConfig
-from resispec.config import compose_typed
 from resispec.data.prompts import load_heldout_prompts
 from resispec.models import load_pair
 
@@ -22,14 +21,11 @@ def experiment_parser(doc: str | None) -> argparse.ArgumentParser:
     return ap
 
 
-def load_experiment(args: argparse.Namespace):
-    """(config, target, draft, tokenizer): conf/distill.yaml composed with `args.overrides`, its target and the
-    draft at `args.draft` loaded as the bench loads them."""
-    cfg = compose_typed(args.overrides)
-    target, draft, tokenizer = load_pair(
-        cfg.target, dataclasses.replace(cfg.draft, path=args.draft), cfg.world
-    )
-    return cfg, target, draft, tokenizer
+def load_experiment(cfg, draft: str):
+    """(target, draft, tokenizer): the composed config's target (the script composes conf/distill.yaml with its
+    overrides: resispec.config.compose_typed, the composition root) and the draft at `draft`, loaded as the bench
+    loads them."""
+    return load_pair(cfg.target, dataclasses.replace(cfg.draft, path=draft), cfg.world)
 
 
 def planner_prompts(cfg, tokenizer) -> list[list[int]]:

@@ -45,12 +45,19 @@ def test_pipeline_runs_every_stage_on_the_micro_world(micro_world, tmp_path):
     assert (run_dir / "bench" / "report.md").exists()
     rows = json.loads((run_dir / "bench" / "report.json").read_text())["rows"]
     rules = {
-        d: {r["rule"] for r in rows if r["method"] == "spec" and r["draft"] == d}
+        (d, t): {
+            r["rule"] for r in rows if r["method"] == "spec" and r["draft"] == d and r["temperature"] == t
+        }
         for d in ("initial", "distilled")
+        for t in (0.0, 1.0)
     }
-    assert rules == {"initial": {"chain", "resispec"}, "distilled": {"chain", "rrs"}}, (
-        rules
-    )  # initial: the before
+    # initial: the before; at T = 0 every rule is argmax matching, one row a tree (speed.rules_at)
+    assert rules == {
+        ("initial", 0.0): {"greedy"},
+        ("distilled", 0.0): {"greedy"},
+        ("initial", 1.0): {"chain", "resispec"},
+        ("distilled", 1.0): {"chain", "rrs"},
+    }, rules
     assert "distillation: 10 steps" in out and "tokens/s" in out
     assert (run_dir / "distill" / "draft" / "config.json").exists()
     history = json.loads((Path(world.cache_dir) / "pipeline_times.json").read_text())
