@@ -17,6 +17,7 @@ import torch
 from resispec.decoding import SpeculativeDecoder
 from resispec.decoding.config import DEFAULT_TREE, DecodeConfig
 from resispec.decoding.planner import (
+    ALPHA_PROMPTS,
     BATCH_NODE_GRID,
     BATCH_SETTLE_MOST,
     BATCH_SETTLE_ROUNDS,
@@ -48,6 +49,7 @@ from resispec.decoding.planner import (
     pick_measured,
     plan_tree,
     rank_trees,
+    sampled_alpha,
     settle_by_decoding,
     settle_candidates,
     teacher_forced_top,
@@ -552,10 +554,11 @@ def test_batch_one_plan_is_decoded_and_the_chain_wins_in_the_planner(micro_pair,
     from resispec.decoding.planner import core as planner_mod
 
     calls = []
-    monkeypatch.setattr(
+    real_alpha = planner_mod.sampled_alpha
+    monkeypatch.setattr(  # the model wants trees (the first prompt's node logits real: the verification's timing)
         planner_mod,
-        "calibrate_alpha",
-        lambda *a, **kw: {1: 0.55, 2: 0.85, 3: 0.92, 4: 0.95},  # the model wants trees
+        "sampled_alpha",
+        lambda *a, **kw: ({1: 0.55, 2: 0.85, 3: 0.92, 4: 0.95}, real_alpha(*a, **kw)[1]),
     )
     # ... and ranks them first whatever the forward timings of a loaded machine say
     real_rank = planner_mod.rank_trees
@@ -647,21 +650,21 @@ def test_settling_work_is_bounded(micro_pair, monkeypatch):
 
 
 def test_the_prediction_comes_from_prompts_that_did_not_choose_the_tree(micro_pair, monkeypatch):
-    """With 3 x SETTLE_PROMPTS prompts, the first SETTLE_PROMPTS calibrate the acceptance and settle the near-ties,
-    and the winner's fresh re-measure decodes the other 8, once each: the prediction is not made on the prompts
-    whose luck chose the tree."""
+    """With 3 x SETTLE_PROMPTS prompts, the first SETTLE_PROMPTS settle the near-ties, and the winner's fresh
+    re-measure decodes the other 8, once each: the prediction is not made on the prompts whose luck chose the tree.
+    At T > 0 the first ALPHA_PROMPTS (here all 12) calibrate alpha, each with its sampled continuation."""
     from resispec.decoding.planner import core as planner_mod
 
     prompts = [[1 + i, 2, 3, 4, 5, 6 + i] for i in range(3 * SETTLE_PROMPTS)]
     calibrated, used = [], []
-    real_alpha = planner_mod.calibrate_alpha
-    monkeypatch.setattr(
-        planner_mod,
-        "calibrate_alpha",
-        lambda t, d, seqs, *a, **kw: (
-            calibrated.append(seqs[0][: kw["start"]]) or real_alpha(t, d, seqs, *a, **kw)
-        ),
-    )
+    real_alpha = planner_mod.sampled_alpha
+
+    def spy(t, d, seqs, starts, *a, **kw):
+        calibrated.extend(s[:start] for s, start in zip(seqs, starts, strict=True))
+        assert all(len(s) == start + 4 for s, start in zip(seqs, starts, strict=True))  # 4 tokens sampled
+        return real_alpha(t, d, seqs, starts, *a, **kw)
+
+    monkeypatch.setattr(planner_mod, "sampled_alpha", spy)
 
     decoded = []
 
@@ -674,7 +677,7 @@ def test_the_prediction_comes_from_prompts_that_did_not_choose_the_tree(micro_pa
     target, draft = micro_pair
     with single_thread():
         Planner(target, prompts, continuation_tokens=4).choose(draft, "resispec", {"temperature": 1.0})
-    assert calibrated == prompts[:SETTLE_PROMPTS]
+    assert calibrated == prompts[:ALPHA_PROMPTS] and ALPHA_PROMPTS >= len(prompts)
     assert {p for r, p in used if r < SETTLE_PROMPTS} == {tuple(p) for p in prompts[:SETTLE_PROMPTS]}
     fresh = sorted(p for r, p in used if r >= SETTLE_PROMPTS)
     # AR and the finalists (the winner and the next fastest) on each
@@ -715,13 +718,13 @@ def test_planner_calibrates_the_rule_it_decodes_with(micro_pair, monkeypatch, fa
     from resispec.verify import VERIFIERS
 
     rules = []
-    real = planner_mod.calibrate_alpha
+    real = planner_mod.sampled_alpha
 
-    def spy(t, d, seqs, rule, *a, **kw):
+    def spy(t, d, seqs, starts, rule, *a, **kw):
         rules.append(rule)
-        return real(t, d, seqs, rule, *a, **kw)
+        return real(t, d, seqs, starts, rule, *a, **kw)
 
-    monkeypatch.setattr(planner_mod, "calibrate_alpha", spy)
+    monkeypatch.setattr(planner_mod, "sampled_alpha", spy)
     target, draft = micro_pair
     with single_thread():
         planner = Planner(target, [[1, 2, 3, 4, 5, 6]], continuation_tokens=8)
@@ -767,6 +770,25 @@ def test_calibration_greedy_and_sampled(micro_pair):
     )  # more i.i.d. draws never hurt resispec
     same_s = calibrate_alpha(target, target, seqs, "resispec", {"temperature": 1.0}, start=8)
     assert same_s[1] == pytest.approx(1.0)
+
+
+def test_sampled_alpha_batches_the_continuations_as_one_at_a_time(micro_pair):
+    """sampled_alpha (the planner's T > 0 calibration): batched, right-padded teacher-forced forwards of
+    continuations of one length from different starts give the mean of calibrate_alpha's per-continuation alphas,
+    and the first continuation's node logits."""
+    target, draft = micro_pair
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 64, (n + 10,), generator=gen).tolist() for n in (4, 7, 5)]
+    starts = [4, 7, 5]  # 10 continuation tokens each, from different starts: padding in every chunk
+    settings = {"temperature": 1.0}
+    alpha, (t_first, d_first) = sampled_alpha(target, draft, seqs, starts, "resispec", settings, rows=2)
+    each = [
+        calibrate_alpha(target, draft, [s], "resispec", settings, start=k)
+        for s, k in zip(seqs, starts, strict=True)
+    ]
+    assert alpha == pytest.approx({n: sum(a[n] for a in each) / 3 for n in each[0]}, abs=1e-5)
+    t_ref, d_ref = node_logits(target, draft, [seqs[0]], starts[0])
+    assert torch.allclose(t_first, t_ref, atol=1e-4) and torch.allclose(d_first, d_ref, atol=1e-4)
 
 
 def test_verify_cost_is_measured_per_draw_count(micro_pair):

@@ -53,10 +53,12 @@ from resispec.decoding.planner.acceptance import (
     greedy_walk,
     hits_of,
     node_logits,
+    sampled_alpha,
     sampled_continuations,
+    teacher_forced_logits,
     teacher_forced_top,
 )
-from resispec.decoding.planner.core import Planner
+from resispec.decoding.planner.core import ALPHA_PROMPTS, Planner
 from resispec.decoding.planner.cost import (
     BATCH_NODE_GRID,
     NODE_GRID,
@@ -103,6 +105,7 @@ from resispec.decoding.planner.settle import (
 )
 
 __all__ = [
+    "ALPHA_PROMPTS",
     "BATCH_NODE_GRID",
     "BATCH_SETTLE_MOST",
     "BATCH_SETTLE_ROUNDS",
@@ -149,9 +152,11 @@ __all__ = [
     "pick_measured",
     "plan_tree",
     "rank_trees",
+    "sampled_alpha",
     "sampled_continuations",
     "settle_by_decoding",
     "settle_candidates",
+    "teacher_forced_logits",
     "teacher_forced_top",
     "tie_margin",
     "unranked",

@@ -81,17 +81,17 @@ def hits_of(best: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def teacher_forced_top(
+def teacher_forced_logits(
     model: torch.nn.Module,
     sequences: Sequence[Sequence[int]],
     starts: Sequence[int],
-    k: int,
     vocab: int,
     rows: int = 8,
+    keep=lambda logits: logits,
 ) -> list[torch.Tensor]:
-    """Each sequence's top-k ids [len - start, k] of `model`'s logits (the first `vocab`) at the positions that
-    predict its tokens start .. len - 1, from teacher-forced forwards of `rows` sequences at a time, right-padded:
-    under causal attention the padding after a position never reaches it.
+    """Each sequence's float32 logits [len - start, vocab] of `model` (its first `vocab`) at the positions that
+    predict its tokens start .. len - 1, passed through `keep` (e.g. a top-k), from teacher-forced forwards of
+    `rows` sequences at a time, right-padded: under causal attention the padding after a position never reaches it.
     Only the positions from the chunk's earliest start on get logits (logits_to_keep: a long prompt under a 128k
     vocabulary does not materialise a logit row per prompt token)."""
     device = next(model.parameters()).device
@@ -103,8 +103,55 @@ def teacher_forced_top(
         ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in chunk], device=device)
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=width - first).logits[..., :vocab]
         for row, (seq, start) in enumerate(zip(chunk, at_starts, strict=True)):
-            out.append(logits[row, start - 1 - first : len(seq) - 1 - first].float().topk(k, dim=-1).indices)
+            out.append(keep(logits[row, start - 1 - first : len(seq) - 1 - first].float()))
     return out
+
+
+def teacher_forced_top(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    k: int,
+    vocab: int,
+    rows: int = 8,
+) -> list[torch.Tensor]:
+    """Each sequence's top-k ids [len - start, k] of `model`'s logits at the positions that predict its tokens
+    start .. len - 1 (teacher_forced_logits)."""
+    return teacher_forced_logits(
+        model, sequences, starts, vocab, rows, keep=lambda lg: lg.topk(k, dim=-1).indices
+    )
+
+
+def sampled_alpha(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    rule,
+    settings: dict,
+    samples: int = 64,
+    rows: int = 8,
+) -> tuple[dict[int, float], tuple[torch.Tensor, torch.Tensor]]:
+    """calibrate_alpha over many continuations (`sequences`, each scored from its `starts`), `rows` at a time
+    (batched teacher-forced forwards: teacher_forced_logits), every node weighing alike; and the first sequence's
+    (target, draft) node logits. With continuations of one length this is the mean of their per-continuation
+    alphas, as calibrate_alpha one at a time gives; `samples`: Monte Carlo runs a node where a rule has no closed
+    form."""
+    vocab = min(target.config.vocab_size, draft.config.vocab_size)
+    sums: dict[int, float] = {}
+    nodes, first = 0, None
+    for lo in range(0, len(sequences), rows):
+        seqs, at = sequences[lo : lo + rows], starts[lo : lo + rows]
+        t_logits, d_logits = (teacher_forced_logits(m, seqs, at, vocab, rows) for m in (target, draft))
+        first = first or (t_logits[0], d_logits[0])
+        logits = torch.cat(t_logits), torch.cat(d_logits)
+        chunk = calibrate_alpha(
+            target, draft, seqs, rule, settings, 0, samples=samples, seed=lo, logits=logits
+        )
+        n = logits[0].shape[0]
+        sums = {k: sums.get(k, 0.0) + v * n for k, v in chunk.items()}
+        nodes += n
+    return {k: v / nodes for k, v in sums.items()}, first
 
 
 @torch.inference_mode()

@@ -10,12 +10,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from resispec.decoding.planner.acceptance import (
-    calibrate_alpha,
     greedy_alpha,
     greedy_continuations,
     greedy_hit_sets,
     greedy_tau,
-    node_logits,
+    sampled_alpha,
     sampled_continuations,
 )
 from resispec.decoding.planner.cost import (
@@ -47,6 +46,13 @@ from resispec.verify import build_rule
 
 # the calibration continuations' seeds at T > 0: prompt i draws from CONTINUATION_SEED + i
 CONTINUATION_SEED = 10_000
+# T > 0: alpha is calibrated on the first ALPHA_PROMPTS prompts' sampled continuations. Four (SETTLE_PROMPTS, before)
+# put a distilled chain's tau 8% above 96 prompts' on the tiny world (run AY: [1]*5 3.38 against 3.13; blocks of 4
+# prompts spread alpha(1) by 0.02 a block); 24 came within 0.5%, for about 2 s more a plan (docs/decoder_speed.md)
+ALPHA_PROMPTS = 24
+# Monte Carlo runs a node where a rule has no closed form (resispec_auto at n >= 2): ALPHA_SAMPLES over the prompts
+# (64 a node on 4 prompts, as before: the Monte Carlo cost stays), at least ALPHA_SAMPLES_MIN
+ALPHA_SAMPLES, ALPHA_SAMPLES_MIN = 256, 8
 
 
 class Planner:
@@ -54,14 +60,14 @@ class Planner:
     of the calibration prompts generated once per sampling setting, one calibration per (draft, rule, sampling)
     asked for. Used by the bench (tree=auto rows) and by the server (decode.tree=auto).
 
-    `prompts`: the first SETTLE_PROMPTS calibrate the acceptance and settle the near-ties (round r decodes prompt
-    r); the winner's fresh re-measure (REMEASURE_PASSES x as many rounds) decodes the prompts after them, cycling,
+    `prompts`: the first SETTLE_PROMPTS settle the near-ties (round r decodes prompt r); the winner's fresh re-measure (REMEASURE_PASSES x as many rounds) decodes the prompts after them, cycling,
     so with at least 3 x SETTLE_PROMPTS prompts the prediction's decodes come from 8 prompts that took no part in
     choosing the tree: prompts differ in how well the draft follows them, and a prediction from the prompts that
     chose the tree inherits their luck. At T = 0 every prompt counts tau (greedy_tau), which costs no decode: the
     defaults pass 96: a greedy draft's tau spreads by about a quarter of its mean from prompt to prompt (the tiny
     world's distilled chain: 0.66 around 2.77), so 96 prompts leave its mean about 2.4% uncertain, 48 about 3.4%
-    (their first 48 counted 2.67, all 96 2.77), and a tree ratio moves less (docs/decoder_speed.md)."""
+    (their first 48 counted 2.67, all 96 2.77), and a tree ratio moves less (docs/decoder_speed.md). At T > 0 the
+    first ALPHA_PROMPTS calibrate alpha on continuations sampled from the target."""
 
     def __init__(
         self, target: torch.nn.Module, prompts: Sequence[Sequence[int]], continuation_tokens: int = 32
@@ -69,7 +75,7 @@ class Planner:
         if not prompts:
             raise ValueError("the planner needs at least one calibration prompt")
         self.target, self.prompts = target, [list(p) for p in prompts]
-        self.calibration = self.prompts[:SETTLE_PROMPTS]  # acceptance and the settling rounds
+        self.calibration = self.prompts[:SETTLE_PROMPTS]  # the settling rounds
         self.continuation_tokens = continuation_tokens
         self._ms: dict[tuple[int, int], dict[int, float]] = {}  # (id(model), batch) -> ms by tokens per row
         t0 = time.perf_counter()
@@ -98,12 +104,17 @@ class Planner:
         return {label: self.cost_for(d) for label, d in drafts.items()}
 
     def _sequences(self, settings: dict) -> list[list[int]]:
-        """The calibration prompts, each with the target's continuation sampled under `settings` (EOS ignored,
-        prompt i seeded CONTINUATION_SEED + i): the positions alpha is calibrated on. Once per setting."""
+        """The first ALPHA_PROMPTS prompts, each with the target's continuation sampled under `settings` (EOS
+        ignored, prompt i seeded CONTINUATION_SEED + i): the positions alpha is calibrated on at T > 0. Once per
+        setting."""
         key = tuple(sorted(settings.items()))
         if key not in self._continuations:
             self._continuations[key] = sampled_continuations(
-                self.target, self.calibration, self.continuation_tokens, settings, CONTINUATION_SEED
+                self.target,
+                self.prompts[:ALPHA_PROMPTS],
+                self.continuation_tokens,
+                settings,
+                CONTINUATION_SEED,
             )
         return self._continuations[key]
 
@@ -194,17 +205,14 @@ class Planner:
             return greedy_alpha(self._greedy_hit_sets(draft))
         return self._alpha(draft, build_rule(rule, auto_policy), settings)[0]
 
-    def _alpha(self, draft, rule_obj, settings: dict) -> tuple[dict[int, float], list]:
-        """alpha averaged over the calibration prompts, and each prompt's (sequence, start, node logits)."""
-        node_sets = [
-            (seq, len(p), node_logits(self.target, draft, [seq], len(p)))
-            for seq, p in zip(self._sequences(settings), self.calibration, strict=True)
-        ]
-        alphas = [
-            calibrate_alpha(self.target, draft, [seq], rule_obj, settings, start=start, logits=logits)
-            for seq, start, logits in node_sets
-        ]
-        return {n: sum(a[n] for a in alphas) / len(alphas) for n in alphas[0]}, node_sets
+    def _alpha(self, draft, rule_obj, settings: dict) -> tuple[dict[int, float], tuple]:
+        """alpha over the first ALPHA_PROMPTS prompts' sampled continuations (sampled_alpha: every node alike; as
+        many Monte Carlo runs in all as 4 prompts of 64 a node), and the first prompt's (target, draft) node
+        logits."""
+        seqs = self._sequences(settings)
+        starts = [len(p) for p in self.prompts[: len(seqs)]]
+        samples = max(ALPHA_SAMPLES_MIN, ALPHA_SAMPLES // len(seqs))
+        return sampled_alpha(self.target, draft, seqs, starts, rule_obj, settings, samples=samples)
 
     def _calibrate(
         self, draft, rule_obj, settings: dict
@@ -217,12 +225,11 @@ class Planner:
         if is_greedy(settings.get("temperature", 1.0)):
             hit_sets = self._greedy_hit_sets(draft)
             return cost, greedy_alpha(hit_sets), functools.partial(greedy_tau, hit_sets=hit_sets)
-        # each prompt's nodes once: the calibration scores them, and the first prompt's time the verification
-        alpha, node_sets = self._alpha(draft, rule_obj, settings)
+        # the prompts' nodes once: the calibration scores them, and the first prompt's time the verification
+        alpha, (t_logits, d_logits) = self._alpha(draft, rule_obj, settings)
         vocab = min(self.target.config.vocab_size, draft.config.vocab_size)
         device = next(draft.parameters()).device
         # timed on the calibration's own nodes (the first prompt's): the cost depends on the distributions
-        t_logits, d_logits = node_sets[0][2]
         nodes = probs(t_logits, **settings), probs(d_logits, **settings)
         cost.verify_ms = measure_verify_ms(rule_obj, vocab, max(alpha), device=device, nodes=nodes)
         cost.verify_row_ms = measure_verify_row_ms(rule_obj, vocab, device=device, nodes=nodes)
