@@ -48,7 +48,7 @@ from resispec.verify import build_rule
 CONTINUATION_SEED = 10_000
 # T > 0: alpha is calibrated on the first ALPHA_PROMPTS prompts' sampled continuations. Four (SETTLE_PROMPTS, before)
 # put a distilled chain's tau 8% above 96 prompts' on the tiny world (run AY: [1]*5 3.38 against 3.13; blocks of 4
-# prompts spread alpha(1) by 0.02 a block); 24 came within 0.5%, for about 2 s more a plan (docs/decoder_speed.md)
+# prompts spread alpha(1) by 0.02 a block); 24 came within 0.5%, for about 3 s a plan (docs/decoder_speed.md)
 ALPHA_PROMPTS = 24
 # Monte Carlo runs a node where a rule has no closed form (resispec_auto at n >= 2): ALPHA_SAMPLES over the prompts
 # (64 a node on 4 prompts, as before: the Monte Carlo cost stays), at least ALPHA_SAMPLES_MIN
@@ -60,14 +60,15 @@ class Planner:
     of the calibration prompts generated once per sampling setting, one calibration per (draft, rule, sampling)
     asked for. Used by the bench (tree=auto rows) and by the server (decode.tree=auto).
 
-    `prompts`: the first SETTLE_PROMPTS settle the near-ties (round r decodes prompt r); the winner's fresh re-measure (REMEASURE_PASSES x as many rounds) decodes the prompts after them, cycling,
-    so with at least 3 x SETTLE_PROMPTS prompts the prediction's decodes come from 8 prompts that took no part in
-    choosing the tree: prompts differ in how well the draft follows them, and a prediction from the prompts that
-    chose the tree inherits their luck. At T = 0 every prompt counts tau (greedy_tau), which costs no decode: the
-    defaults pass 96: a greedy draft's tau spreads by about a quarter of its mean from prompt to prompt (the tiny
-    world's distilled chain: 0.66 around 2.77), so 96 prompts leave its mean about 2.4% uncertain, 48 about 3.4%
-    (their first 48 counted 2.67, all 96 2.77), and a tree ratio moves less (docs/decoder_speed.md). At T > 0 the
-    first ALPHA_PROMPTS calibrate alpha on continuations sampled from the target."""
+    `prompts`: the first SETTLE_PROMPTS settle the near-ties (round r decodes prompt r); the winner's fresh
+    re-measure (REMEASURE_PASSES x as many rounds) decodes the prompts after them, cycling, so with at least 3 x
+    SETTLE_PROMPTS prompts the prediction's decodes come from 8 prompts that took no part in choosing the tree:
+    prompts differ in how well the draft follows them, and a prediction from the prompts that chose the tree
+    inherits their luck. At T = 0 every prompt counts tau (greedy_tau), which costs no decode: the defaults pass
+    96: a greedy draft's tau spreads by about a quarter of its mean from prompt to prompt (the tiny world's
+    distilled chain: 0.66 around 2.77), so 96 prompts leave its mean about 2.4% uncertain, 48 about 3.4% (their
+    first 48 counted 2.67, all 96 2.77), and a tree ratio moves less (docs/decoder_speed.md). At T > 0 the first
+    ALPHA_PROMPTS calibrate alpha on continuations sampled from the target."""
 
     def __init__(
         self, target: torch.nn.Module, prompts: Sequence[Sequence[int]], continuation_tokens: int = 32
