@@ -39,8 +39,8 @@ from resispec.decoding.planner import (
     greedy_continuations,
     greedy_hit_sets,
     greedy_tau,
-    node_logits,
     sampled_continuations,
+    teacher_forced_logits,
 )
 from resispec.models import load_pair
 from resispec.models.config import ModelConfig
@@ -345,8 +345,8 @@ def _pool_tau_of(target, draft, rule, pool, settings: dict, continuations, per_d
     """tau_of(tree, k) over the first k pool prompts (None: all) for _carried. T = 0: greedy_tau, the decoder's own
     count, any tree (`per_draft`: the draft's greedy_hit_sets along greedy_continuations'). T > 0: the product
     model of a chain (its expectation: one draw a level) with alpha(1) of `rule` averaged over those prompts'
-    sampled continuations (`continuations`: sampled_continuations'; `per_draft`: their node_logits, one (target,
-    draft) pair a prompt), as the planner calibrates it; a tree with a multi-draw level gets None."""
+    sampled continuations (`continuations`: sampled_continuations'; `per_draft`: their node logits, one (target,
+    draft) pair a prompt, as node_logits gives them), as the planner calibrates it; a tree with a multi-draw level gets None."""
     if is_greedy(settings["temperature"]):
         return lambda tree, k: greedy_tau(tree, per_draft[:k])
     alphas = [
@@ -364,27 +364,30 @@ def _pool_tau_of(target, draft, rule, pool, settings: dict, continuations, per_d
 def _pool_counters(
     target, drafts: dict[str, Any], rows: list[BenchRow], pool, sampling: dict, auto_policy
 ) -> dict:
-    """(draft label, rule) -> _pool_tau_of's tau_of, for each planned row in `rows`: the continuations once for
-    all, each draft's forwards over them (T = 0 its greedy hit sets, T > 0 its node logits) once for every rule."""
+    """(draft label, rule) -> _pool_tau_of's tau_of, for each planned row in `rows`: the continuations and, at
+    T > 0, the target's node logits over them once for all (batched teacher-forced forwards), each draft's forwards
+    (T = 0 its greedy hit sets, T > 0 its node logits) once for every rule."""
     settings = {k: sampling[k] for k in ("temperature", "top_k", "top_p")}
     greedy = is_greedy(settings["temperature"])
+    starts = [len(p) for p in pool]
     if greedy:
         continuations = greedy_continuations(target, pool, sampling["max_new_tokens"])
     else:
         continuations = sampled_continuations(target, pool, POOL_SAMPLED_TOKENS, settings, POOL_SEED)
+        target_logits = teacher_forced_logits(target, continuations, starts, target.config.vocab_size)
     counters: dict[tuple[str, str], Any] = {}
     per_draft: dict[str, list] = {}
     for r in rows:
         if (r.draft, r.rule) in counters:
             continue
         draft = drafts[r.draft]
-        if r.draft not in per_draft:
-            seqs = zip(pool, continuations, strict=True)
-            per_draft[r.draft] = (
-                greedy_hit_sets(target, draft, pool, continuations)
-                if greedy
-                else [node_logits(target, draft, [q], len(p)) for p, q in seqs]
-            )
+        if r.draft not in per_draft and greedy:
+            per_draft[r.draft] = greedy_hit_sets(target, draft, pool, continuations)
+        elif r.draft not in per_draft:  # one (target, draft) pair a prompt, over the vocabulary they share
+            vocab = min(target.config.vocab_size, draft.config.vocab_size)
+            draft_logits = teacher_forced_logits(draft, continuations, starts, vocab)
+            pairs = zip(target_logits, draft_logits, strict=True)
+            per_draft[r.draft] = [(t[:, :vocab], d) for t, d in pairs]
         rule = build_rule(r.rule, auto_policy)
         counters[r.draft, r.rule] = _pool_tau_of(
             target, draft, rule, pool, settings, continuations, per_draft[r.draft]
@@ -406,9 +409,9 @@ def check_plans_on_pool(
     head-to-head's, else the sweep's) carried to the pool's tau: speedup x pool tau / the tau its calls decoded (a
     decode of fixed length takes steps as 1 / tau; _carried). A speedup's prompts sample a wide spread (the tiny
     world's greedy chain tau: 0.6 a prompt around 2.8) and the bench times few, so the plan, its prediction and the
-    best fixed row compare here on many. T = 0: every tree, by greedy replay (exact: the decoder's own count, EOS ignored; no
-    decode). T > 0: chains, by the product model (_pool_tau_of); a tree with a multi-draw level is not carried.
-    Each planned row of a causal-LM draft gets stats["pool"]."""
+    best fixed row compare here on many. T = 0: every tree, by greedy replay (exact: the decoder's own count, EOS
+    ignored; no decode). T > 0: chains, by the product model (_pool_tau_of); a tree with a multi-draw level is not
+    carried. Each planned row of a causal-LM draft gets stats["pool"]."""
     planned = [m for m in methods if m.row.stats.get("plan") and not is_head(drafts[m.row.draft])]
     if not planned or len(pool) <= len(prompts):
         return
@@ -426,7 +429,7 @@ def check_plans_on_pool(
         best = None
         if b is not None:
             if h2h:
-                b_speedup, b_decoded = h2h.get("best_speedup", speedup), h2h.get("best_tau", decoded)
+                b_speedup, b_decoded = h2h.get("best_speedup", speedup), h2h.get("best_tau")
             else:
                 b_speedup, b_decoded = b.speedup, b.tau
             best = _carried(tree_of(b.tree), b_speedup, tau_of, timed, b_decoded)
